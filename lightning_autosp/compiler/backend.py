@@ -1,0 +1,72 @@
+"""The torch.compile backend: SP pass on the Dynamo graph, then AOTAutograd with SAC, then Inductor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._inductor.compile_fx import compile_fx
+
+from lightning_autosp.compiler.sac import SequenceAwarePartitioner
+from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
+
+Compiler = Literal["inductor", "aot_eager"]
+
+
+def _run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    return make_boxed_func(gm.forward)
+
+
+class AutoSPBackend:
+    """A ``torch.compile`` backend for one sequence layout.
+
+    Args:
+        context: this rank's shard and sp group; ``None`` runs no SP pass (sp_size=1).
+        compiler: "inductor" generates code; "aot_eager" runs the same passes and partitioning
+            without code generation (fast to compile; for tests and debugging).
+        sac: recompute everything but attention and collectives in backward (``compiler/sac.py``).
+
+    Dynamo calls the backend once per graph: several times after graph breaks or when DDP splits
+    the graph into buckets. Each call is rewritten on its own and leaves a report in ``reports``.
+    """
+
+    def __init__(
+        self, context: SPContext | None, *, compiler: Compiler = "inductor", sac: bool = True
+    ) -> None:
+        if compiler not in ("inductor", "aot_eager"):
+            raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
+        self.context = context
+        self.compiler = compiler
+        self.sac = sac
+        self.reports: list[SPReport] = []
+        self.partitioner = SequenceAwarePartitioner() if sac else None
+
+    @property
+    def attention_count(self) -> int:
+        return sum(len(report.attention) for report in self.reports)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if self.context is not None:
+            gm, report = sequence_parallel_pass(gm, example_inputs, self.context)
+            self.reports.append(report)
+        if self.compiler == "inductor":
+            patches = {"custom_partitioner_fn": self.partitioner} if self.partitioner is not None else None
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        partition = self.partitioner or min_cut_rematerialization_partition
+        return aot_autograd(fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=partition)(
+            gm, example_inputs
+        )
+
+
+def frames_not_compiled() -> int:
+    """Frames Dynamo has given up on so far in this process (e.g. a graph break inside a loop).
+
+    Such a frame runs eagerly, outside every SP rewrite, so the strategy checks this count around
+    each compiled step.
+    """
+    frames = counters["frames"]
+    return frames["total"] - frames["ok"]

@@ -1,0 +1,213 @@
+"""Collectives the SP pass inserts, as ``torch.library`` custom ops.
+
+Each op has an eager implementation (plain ``torch.distributed`` calls on the group named by
+``group_name``), a fake implementation so Dynamo, AOTAutograd and Inductor can trace shapes, and a
+registered autograd formula, so gradients flow through the collective under ``torch.compile``
+(a hand-written ``autograd.Function`` around an out-argument collective silently produced zero
+gradients in DeepSpeed PR 8491; these ops are checked with ``torch.library.opcheck``).
+
+Shape letters: B batch, H heads, S global sequence, S_r rank r's shard, D head dim, P sp ranks.
+Sequence shards may be uneven (``seq_lens`` lists every rank's shard length, in rank order).
+
+Only this module touches private ``torch.distributed`` API (``_resolve_process_group``), so a torch
+upgrade changes one file.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(group_name)
+
+
+def _to_front(x: Tensor, head_dim: int, seq_dim: int) -> Tensor:
+    """[..., H at head_dim, ..., S at seq_dim, ...] -> [H, S, R] (R: the other dims, flattened)."""
+    moved = x.movedim((head_dim, seq_dim), (0, 1))
+    return moved.reshape(moved.shape[0], moved.shape[1], -1)
+
+
+def _from_front(x: Tensor, like_shape: list[int], head_dim: int, seq_dim: int) -> Tensor:
+    """Inverse of ``_to_front``: [H', S', R] -> the layout of ``like_shape`` with H', S' swapped in."""
+    rest = [
+        s
+        for d, s in enumerate(like_shape)
+        if d not in (head_dim % len(like_shape), seq_dim % len(like_shape))
+    ]
+    return x.reshape(x.shape[0], x.shape[1], *rest).movedim((0, 1), (head_dim, seq_dim))
+
+
+def _seq_to_head_shape(shape: list[int], head_dim: int, seq_dim: int, seq_lens: list[int]) -> list[int]:
+    out = list(shape)
+    out[head_dim] = shape[head_dim] // len(seq_lens)
+    out[seq_dim] = sum(seq_lens)
+    return out
+
+
+def _head_to_seq_shape(
+    shape: list[int], head_dim: int, seq_dim: int, seq_lens: list[int], rank: int
+) -> list[int]:
+    out = list(shape)
+    out[head_dim] = shape[head_dim] * len(seq_lens)
+    out[seq_dim] = seq_lens[rank]
+    return out
+
+
+@torch.library.custom_op("autosp::seq_to_head", mutates_args=())
+def seq_to_head(
+    x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str
+) -> Tensor:
+    """All-to-all from sequence shards to head shards: [B, H, S_r, D] -> [B, H/P, S, D].
+
+    Rank r sends head group j (heads j*H/P .. (j+1)*H/P) of its S_r tokens to rank j and receives
+    head group r of every rank's tokens, concatenated in rank order along the sequence.
+    """
+    world = len(seq_lens)
+    front = _to_front(x, head_dim, seq_dim).contiguous()  # [H, S_r, R]
+    heads, rest = front.shape[0] // world, front.shape[2]
+    received = front.new_empty(heads * sum(seq_lens) * rest)
+    dist.all_to_all_single(
+        received,
+        front.reshape(-1),
+        output_split_sizes=[heads * s * rest for s in seq_lens],
+        input_split_sizes=[heads * seq_lens[rank] * rest] * world,
+        group=_group(group_name),
+    )
+    pieces = received.split([heads * s * rest for s in seq_lens])
+    gathered = torch.cat([p.view(heads, s, rest) for p, s in zip(pieces, seq_lens)], dim=1)  # [H/P, S, R]
+    return _from_front(gathered, list(x.shape), head_dim, seq_dim).contiguous()
+
+
+@seq_to_head.register_fake
+def _(x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str) -> Tensor:
+    return x.new_empty(_seq_to_head_shape(list(x.shape), head_dim, seq_dim, seq_lens))
+
+
+@torch.library.custom_op("autosp::head_to_seq", mutates_args=())
+def head_to_seq(
+    x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str
+) -> Tensor:
+    """All-to-all back from head shards to sequence shards: [B, H/P, S, D] -> [B, H, S_r, D]."""
+    world = len(seq_lens)
+    front = _to_front(x, head_dim, seq_dim)  # [H/P, S, R]
+    heads, rest = front.shape[0], front.shape[2]
+    send = torch.cat([chunk.reshape(-1) for chunk in front.split(seq_lens, dim=1)])
+    received = front.new_empty(world * heads * seq_lens[rank] * rest)
+    dist.all_to_all_single(
+        received,
+        send,
+        output_split_sizes=[heads * seq_lens[rank] * rest] * world,
+        input_split_sizes=[heads * s * rest for s in seq_lens],
+        group=_group(group_name),
+    )
+    local = received.view(world * heads, seq_lens[rank], rest)  # [H, S_r, R], head groups in rank order
+    return _from_front(local, list(x.shape), head_dim, seq_dim).contiguous()
+
+
+@head_to_seq.register_fake
+def _(x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str) -> Tensor:
+    return x.new_empty(_head_to_seq_shape(list(x.shape), head_dim, seq_dim, seq_lens, rank))
+
+
+def _a2a_setup_context(ctx, inputs, output) -> None:
+    _, ctx.head_dim, ctx.seq_dim, ctx.seq_lens, ctx.rank, ctx.group_name = inputs
+
+
+def _seq_to_head_backward(ctx, grad: Tensor):
+    args = (ctx.head_dim, ctx.seq_dim, ctx.seq_lens, ctx.rank, ctx.group_name)
+    return head_to_seq(grad, *args), None, None, None, None, None
+
+
+def _head_to_seq_backward(ctx, grad: Tensor):
+    args = (ctx.head_dim, ctx.seq_dim, ctx.seq_lens, ctx.rank, ctx.group_name)
+    return seq_to_head(grad, *args), None, None, None, None, None
+
+
+seq_to_head.register_autograd(_seq_to_head_backward, setup_context=_a2a_setup_context)
+head_to_seq.register_autograd(_head_to_seq_backward, setup_context=_a2a_setup_context)
+
+
+@torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
+    """Sum over the sp group; every rank gets the total.
+
+    Its gradient is the sum of the ranks' gradients: each rank uses the total as its loss, so each
+    rank's partial sum feeds every rank's objective (Note [Loss over sequence shards] in sp_pass.py).
+    """
+    total = x.clone()
+    dist.all_reduce(total, group=_group(group_name))
+    return total
+
+
+@all_reduce_sum.register_fake
+def _(x: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _all_reduce_setup_context(ctx, inputs, output) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _all_reduce_backward(ctx, grad: Tensor):
+    return all_reduce_sum(grad, ctx.group_name), None
+
+
+all_reduce_sum.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup_context)
+
+
+@torch.library.custom_op("autosp::head_of_next_shard", mutates_args=())
+def head_of_next_shard(x: Tensor, dim: int, count: int, rank: int, world: int, group_name: str) -> Tensor:
+    """The first ``count`` elements along ``dim`` of rank+1's shard (zeros on the last rank).
+
+    Used to rebuild a left shift (``labels[:, 1:]``) across a shard boundary: the target of a rank's
+    last position lives on the next rank. Every rank sends, so the collective is uniform.
+    """
+    gathered = [torch.empty_like(x.narrow(dim, 0, count)) for _ in range(world)]
+    dist.all_gather(gathered, x.narrow(dim, 0, count).contiguous(), group=_group(group_name))
+    if rank + 1 < world:
+        return gathered[rank + 1]
+    return torch.zeros_like(gathered[rank])
+
+
+@head_of_next_shard.register_fake
+def _(x: Tensor, dim: int, count: int, rank: int, world: int, group_name: str) -> Tensor:
+    return x.narrow(dim, 0, count).new_empty(x.narrow(dim, 0, count).shape)
+
+
+@torch.library.custom_op("autosp::return_halo_grad", mutates_args=())
+def return_halo_grad(
+    grad: Tensor, dim: int, count: int, input_len: int, rank: int, world: int, group_name: str
+) -> Tensor:
+    """Backward of ``head_of_next_shard``: rank r's first ``count`` elements fed rank r-1's halo."""
+    gathered = [torch.empty_like(grad) for _ in range(world)]
+    dist.all_gather(gathered, grad.contiguous(), group=_group(group_name))
+    shape = list(grad.shape)
+    shape[dim] = input_len
+    grad_input = grad.new_zeros(shape)
+    if rank > 0:
+        grad_input.narrow(dim, 0, count).copy_(gathered[rank - 1])
+    return grad_input
+
+
+@return_halo_grad.register_fake
+def _(grad: Tensor, dim: int, count: int, input_len: int, rank: int, world: int, group_name: str) -> Tensor:
+    shape = list(grad.shape)
+    shape[dim] = input_len
+    return grad.new_empty(shape)
+
+
+def _halo_setup_context(ctx, inputs, output) -> None:
+    x, ctx.dim, ctx.count, ctx.rank, ctx.world, ctx.group_name = inputs
+    ctx.input_len = x.shape[ctx.dim]
+
+
+def _halo_backward(ctx, grad: Tensor):
+    args = (ctx.dim, ctx.count, ctx.input_len, ctx.rank, ctx.world, ctx.group_name)
+    return return_halo_grad(grad, *args), None, None, None, None, None
+
+
+head_of_next_shard.register_autograd(_halo_backward, setup_context=_halo_setup_context)

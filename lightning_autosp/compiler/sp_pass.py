@@ -1,0 +1,502 @@
+"""The sequence-parallel (SP) pass over a Dynamo graph.
+
+Each rank's graph is traced on its own sequence shard [B, S_r, ...] (Note [Sequence sharding] in
+``data.py``). The graph computes the right thing per token except where tokens meet: attention,
+positions, masks, shifts across shard boundaries and reductions over the sequence. Each pass below
+fixes one of those, so that every rank computes exactly its part of the single-device result:
+
+1. ``insert_all_to_all_pass``: attention sees the whole sequence for a slice of the heads.
+2. ``globalize_positions_pass``: ``arange`` positions become this rank's global positions.
+3. ``globalize_sequence_slices_pass``: slices and pads along the sequence (the causal label shift)
+   are taken of the global sequence, fetching the boundary element from the next rank.
+4. ``globalize_loss_pass``: mean losses over valid tokens become the mean over the whole sequence.
+
+Every pass is a function ``GraphModule -> GraphModule`` that rewrites in place, records what it did
+in a ``SPReport`` and recompiles only when it changed something.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
+from lightning_autosp.compiler.analysis import (
+    _CROSS_ENTROPY_SIGNATURE,
+    _SDPA_SIGNATURE,
+    AttentionMatch,
+    SeqLayout,
+    bind,
+    example_value,
+    find_attention,
+    find_flash_attention,
+    find_sharded_inputs,
+    index_position,
+    is_cross_entropy,
+    is_sequence_pad,
+    is_sequence_slice,
+    propagate_sequence_layout,
+)
+from lightning_autosp.data import SequenceShard
+
+log = logging.getLogger(__name__)
+
+_GLOBAL_MASK = "autosp_global_mask"
+
+
+@dataclass
+class SPReport:
+    """What the SP pass did to one graph, for ``AutoSPStrategy.explain()`` and tests."""
+
+    attention: list[str] = field(default_factory=list)
+    all_to_alls: int = 0
+    replicated_kv_heads: list[str] = field(default_factory=list)
+    masks: list[str] = field(default_factory=list)
+    positions: list[str] = field(default_factory=list)
+    slices: list[str] = field(default_factory=list)
+    losses: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [f"attention nodes: {len(self.attention)} ({', '.join(self.attention) or 'none'})"]
+        out.append(f"all-to-alls inserted: {self.all_to_alls}")
+        for title, items in (
+            ("KV heads replicated", self.replicated_kv_heads),
+            ("masks rebuilt at global length", self.masks),
+            ("positions made global", self.positions),
+            ("sequence slices/pads made global", self.slices),
+            ("losses made global", self.losses),
+        ):
+            if items:
+                out.append(f"{title}: {', '.join(items)}")
+        return out
+
+
+@dataclass(frozen=True)
+class SPContext:
+    """What every pass needs to know about this rank."""
+
+    shard: SequenceShard
+    group_name: str
+    seq_dim: int = 1
+
+    @property
+    def comm_args(self) -> tuple[list[int], int, str]:
+        return list(self.shard.seq_lens), self.shard.rank, self.group_name
+
+
+def sequence_parallel_pass(
+    gm: fx.GraphModule, example_inputs: Sequence[object], ctx: SPContext, report: SPReport | None = None
+) -> tuple[fx.GraphModule, SPReport]:
+    """Run the SP passes in order on one (sub-)graph."""
+    report = report if report is not None else SPReport()
+    if find_flash_attention(gm):
+        raise NotImplementedError(
+            "flash-attn calls are not rewritten yet; use F.scaled_dot_product_attention "
+            "(HF: attn_implementation='sdpa')."
+        )
+    sharded = find_sharded_inputs(gm, example_inputs, ctx.shard, ctx.seq_dim)
+    layouts, derived = propagate_sequence_layout(gm, sharded)
+    insert_all_to_all_pass(gm, ctx, report, derived=derived)
+    gm.graph.eliminate_dead_code()  # the per-rank masks replaced by global ones
+    globalize_positions_pass(gm, ctx, report)
+    globalize_sequence_slices_pass(gm, ctx, report, layouts=layouts)
+    globalize_loss_pass(gm, ctx, report, derived=derived)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm, report
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. attention
+
+
+def insert_all_to_all_pass(
+    gm: fx.GraphModule, ctx: SPContext, report: SPReport, *, derived: set[fx.Node]
+) -> fx.GraphModule:
+    """Give attention the whole sequence for H/P of the heads.
+
+    Before::
+
+        q, k, v [B, H, S_r, D] -> sdpa(is_causal | attn_mask [S_r, S_r]) -> [B, H, S_r, D]
+
+    After::
+
+        q, k, v [B, H, S_r, D] -> seq_to_head -> [B, H/P, S, D]
+            -> sdpa(is_causal | attn_mask [S, S]) -> [B, H/P, S, D] -> head_to_seq -> [B, H, S_r, D]
+
+    K/V with fewer heads than can be split over P (GQA, H_kv % P != 0) are first repeated to
+    lcm(H_kv, P) heads, which keeps every q head paired with its own KV head.
+
+    Raises:
+        ValueError: the q heads do not divide by sp_size.
+        NotImplementedError: the attention mask depends on per-token inputs.
+    """
+    world = ctx.shard.world
+    graph = gm.graph
+    for match in find_attention(gm):
+        q_val, k_val = example_value(match.query), example_value(match.key)
+        heads, kv_heads = q_val.shape[match.head_dim], k_val.shape[match.head_dim]
+        if heads % world:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(
+                f"sp_size={world} must divide the number of attention heads ({heads}) of {match.node.name}; "
+                f"use one of {divisors}."
+            )
+        if q_val.shape[match.seq_dim] != ctx.shard.local_len:
+            raise NotImplementedError(
+                f"Attention {match.node.name} has {q_val.shape[match.seq_dim]} query positions but this "
+                f"rank holds {ctx.shard.local_len} tokens: only self-attention over the sharded sequence "
+                "is supported."
+            )
+        args = bind(match.node, _SDPA_SIGNATURE)
+        with graph.inserting_before(match.node):
+            key, value = match.key, match.value
+            if kv_heads % world:
+                repeats = world // math.gcd(kv_heads, world)
+                key = _call(graph, torch.repeat_interleave, (key, repeats), {"dim": match.head_dim})
+                value = _call(graph, torch.repeat_interleave, (value, repeats), {"dim": match.head_dim})
+                report.replicated_kv_heads.append(f"{match.node.name}: {kv_heads} -> {kv_heads * repeats}")
+            dims = (match.head_dim, match.seq_dim)
+            q, k, v = (
+                _call(graph, torch.ops.autosp.seq_to_head.default, (t, *dims, *ctx.comm_args))
+                for t in (match.query, key, value)
+            )
+            mask = args["attn_mask"]
+            if mask is not None:
+                mask = _global_mask(graph, mask, ctx, heads, derived, match)
+                report.masks.append(f"{match.node.name}: {mask.name}")
+        args.update(query=q, key=k, value=v, attn_mask=mask)
+        match.node.args = (q, k, v)
+        match.node.kwargs = {
+            name: args[name] for name in ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        }
+        with graph.inserting_after(match.node):
+            back = _call(graph, torch.ops.autosp.head_to_seq.default, (match.node, *dims, *ctx.comm_args))
+        _redirect_uses(match.node, back)
+        report.attention.append(match.node.name)
+        report.all_to_alls += 4
+    return gm
+
+
+def _global_mask(
+    graph: fx.Graph, mask: fx.Node, ctx: SPContext, heads: int, derived: set[fx.Node], match: AttentionMatch
+) -> fx.Node:
+    """Rebuild the mask's producers for the global length: every size S_r in them becomes S.
+
+    Masks are built from shapes (``torch.ones(T, T).triu()``, a buffer sliced ``[:T, :T]``,
+    ``arange`` comparisons): a copy of that sub-graph with S_r replaced by S gives the mask the
+    attention sees after the all-to-all. The copy leaves the originals to their other users.
+    """
+    if mask in derived:
+        raise NotImplementedError(
+            f"The attention mask of {match.node.name} is computed from per-token inputs (e.g. a padding "
+            "attention_mask), which the SP pass cannot rebuild for the whole sequence yet. Drop the padding "
+            "mask (causal LM with ignore_index labels needs none) or use is_causal=True."
+        )
+    local, total = ctx.shard.local_len, ctx.shard.global_len
+    if local < 2:
+        raise NotImplementedError(
+            f"Each sp rank holds {local} token(s); masks need at least 2 per rank to be rebuilt. "
+            "Use longer sequences or a smaller sp_size."
+        )
+    producers = _ancestors(mask)
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node not in producers or node.op in ("placeholder", "get_attr"):
+            continue
+        copy = graph.node_copy(node, lambda n: copies.get(n, n))
+        copy.args = _replace_int(copy.args, local, total)
+        copy.kwargs = _replace_int(copy.kwargs, local, total)
+        copy.meta = {_GLOBAL_MASK: True}
+        copies[node] = copy
+    global_mask = copies.get(mask, mask)
+    value = example_value(mask)
+    if value is not None and value.dim() == 4 and value.shape[1] == heads and heads > 1:
+        per_rank = heads // ctx.shard.world
+        start = ctx.shard.rank * per_rank
+        index = (slice(None), slice(start, start + per_rank))
+        global_mask = _call(graph, operator.getitem, (global_mask, index))
+    return global_mask
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _replace_int(value: object, old: int, new: int) -> object:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return new if value == old else value
+    if isinstance(value, slice):
+        return slice(*(_replace_int(v, old, new) for v in (value.start, value.stop, value.step)))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_replace_int(v, old, new) for v in value)
+    if isinstance(value, dict):
+        return {k: _replace_int(v, old, new) for k, v in value.items()}
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. positions
+
+
+def globalize_positions_pass(gm: fx.GraphModule, ctx: SPContext, report: SPReport) -> fx.GraphModule:
+    """Positions from ``arange`` count from this rank's first global position.
+
+    Before: ``pos = arange(S_r)`` -> [0, ..., S_r - 1]
+    After:  ``pos = arange(o_r, o_r + S_r)`` -> [o_r, ..., o_r + S_r - 1], o_r = sum of earlier shards.
+    """
+    local, offset = ctx.shard.local_len, ctx.shard.offset
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.arange or node.meta.get(_GLOBAL_MASK):
+            continue
+        start, end, step, kwargs = _arange_args(node)
+        if (start, end, step) != (0, local, 1):
+            continue
+        node.args, node.kwargs = (offset, offset + local), kwargs
+        report.positions.append(f"{node.name}: arange({local}) -> arange({offset}, {offset + local})")
+    return gm
+
+
+def _arange_args(node: fx.Node) -> tuple[object, object, object, dict]:
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    if len(args) == 1 and "end" not in kwargs:
+        args = [0, args[0]]
+    start = args[0] if args else kwargs.pop("start", 0)
+    end = args[1] if len(args) > 1 else kwargs.pop("end", None)
+    step = args[2] if len(args) > 2 else kwargs.pop("step", 1)
+    kwargs.pop("start", None), kwargs.pop("end", None), kwargs.pop("step", None)
+    return start, end, step, kwargs
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. slices, shifts and pads along the sequence
+
+
+def globalize_sequence_slices_pass(
+    gm: fx.GraphModule, ctx: SPContext, report: SPReport, *, layouts: dict[fx.Node, SeqLayout]
+) -> fx.GraphModule:
+    """Take slices and pads along the sequence of the global tensor, not of the local shard.
+
+    The causal shift pairs logit t with target t + 1, so the target of a rank's last position is the
+    next rank's first token. Before (rank r, global length S)::
+
+        labels [B, S_r] -> labels[:, 1:] -> [B, S_r - 1]          # loses the boundary target
+
+    After (rank r < P-1)::
+
+        labels [B, S_r] -> cat(labels[:, 1:], head_of_next_shard(labels, 1)) -> [B, S_r]
+
+    and on the last rank ``labels[:, 1:]`` (it owns positions up to S - 1). Likewise
+    ``logits[:, :-1]`` drops a position on the last rank only, and a right pad (HF's
+    ``pad(labels, (0, 1), value=-100)``) pads the last rank only.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if is_sequence_slice(node, layouts):
+            replacement = _rewrite_slice(graph, node, layouts[node.args[0]], ctx)
+        elif is_sequence_pad(node, layouts):
+            replacement = _rewrite_pad(graph, node, layouts[node.args[0]], ctx)
+        else:
+            continue
+        # Chained rewrites (HF pads, then shifts) must see the replacement as the same sequence value.
+        if node in layouts:
+            layouts[replacement] = layouts[node]
+        report.slices.append(f"{node.name}: {_describe(node)}")
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    return gm
+
+
+def _describe(node: fx.Node) -> str:
+    return f"{getattr(node.target, '__name__', node.target)}{tuple(str(a) for a in node.args[1:])}"
+
+
+def _rewrite_slice(graph: fx.Graph, node: fx.Node, layout: SeqLayout, ctx: SPContext) -> fx.Node:
+    source, index = node.args
+    ndim = example_value(source).dim()
+    position = index_position(index, ndim, layout.dim)
+    items = list(index) if isinstance(index, tuple) else [index]
+    item: slice = items[position]
+    start, stop, step = item.indices(layout.global_len)
+    if step != 1:
+        raise NotImplementedError(
+            f"{node.name}: strided slices along the sequence ({item}) are not supported."
+        )
+    out_len = max(0, stop - start)
+    shard = ctx.shard
+
+    def plan(rank: int) -> tuple[int, int, int]:
+        """(local start, local length, halo length) for ``rank``."""
+        other = SequenceShard(shard.global_len, shard.seq_lens, rank)
+        lo, hi = other.owned_range(out_len)
+        lo_in, hi_in = other.owned_range(layout.global_len)
+        need_lo, need_hi = lo + start, hi + start
+        local_hi = min(need_hi, hi_in)
+        local = max(0, local_hi - need_lo)
+        halo = max(0, need_hi - max(hi_in, need_lo))
+        return (need_lo - lo_in if local else 0), local, halo
+
+    plans = [plan(r) for r in range(shard.world)]
+    halo_count = max(p[2] for p in plans)
+    local_start, local_len, halo = plans[shard.rank]
+    with graph.inserting_before(node):
+        pieces = [_call(graph, torch.narrow, (source, layout.dim, local_start, local_len))]
+        if halo_count:
+            if halo_count > min(shard.seq_lens):
+                raise NotImplementedError(
+                    f"{node.name}: the slice {item} reaches past the next rank's shard "
+                    f"({min(shard.seq_lens)} tokens); use longer sequences or a smaller sp_size."
+                )
+            args = (source, layout.dim, halo_count, shard.rank, shard.world, ctx.group_name)
+            received = _call(graph, torch.ops.autosp.head_of_next_shard.default, args)
+            pieces.append(_call(graph, torch.narrow, (received, layout.dim, 0, halo)))
+        seq_fixed = pieces[0] if len(pieces) == 1 else _call(graph, torch.cat, (pieces,), {"dim": layout.dim})
+        items[position] = slice(None)
+        if all(i == slice(None) or i is Ellipsis for i in items):
+            replacement = seq_fixed
+        else:
+            replacement = _call(graph, operator.getitem, (seq_fixed, tuple(items)))
+    return replacement
+
+
+def _rewrite_pad(graph: fx.Graph, node: fx.Node, layout: SeqLayout, ctx: SPContext) -> fx.Node:
+    source = node.args[0]
+    pads = list(node.args[1] if len(node.args) > 1 else node.kwargs["pad"])
+    ndim = example_value(source).dim()
+    padded_dim = ndim - 1 - layout.dim
+    left, right = pads[2 * padded_dim : 2 * padded_dim + 2]
+    if left:
+        raise NotImplementedError(
+            f"{node.name}: padding at the start of the sequence ({left}) is not supported under SP."
+        )
+    out_len = layout.global_len + right
+    lo, hi = ctx.shard.owned_range(out_len)
+    lo_in, hi_in = ctx.shard.owned_range(layout.global_len)
+    keep = min(hi, layout.global_len) - lo
+    fill = hi - max(lo, layout.global_len)
+    with graph.inserting_before(node):
+        narrowed = (
+            source if keep == hi_in - lo_in else _call(graph, torch.narrow, (source, layout.dim, 0, keep))
+        )
+        pads[2 * padded_dim : 2 * padded_dim + 2] = [0, max(0, fill)]
+        if any(pads):
+            replacement = _call(graph, F.pad, (narrowed, tuple(pads), *node.args[2:]), dict(node.kwargs))
+        else:
+            replacement = narrowed
+    return replacement
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. losses
+
+
+def globalize_loss_pass(
+    gm: fx.GraphModule, ctx: SPContext, report: SPReport, *, derived: set[fx.Node]
+) -> fx.GraphModule:
+    """Cross-entropy over sharded tokens becomes the loss over the whole sequence.
+
+    Note [Loss over sequence shards]
+        Before: ``loss = cross_entropy(logits [N_r, V], targets [N_r])`` (mean over this rank's
+        valid tokens). After::
+
+            total = all_reduce_sum(cross_entropy(..., reduction="sum"))
+            count = all_reduce_sum((targets != ignore_index).sum())
+            loss = total / count
+
+        so every rank returns the single-device loss; a shard without valid tokens adds 0, not NaN.
+        ``all_reduce_sum``'s backward sums the ranks' gradients: each of the P ranks backpropagates
+        the same total, so each rank's partial sum receives P times the gradient, and DDP's mean
+        over all dp x sp ranks divides that P back out, leaving the mean over dp groups.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not is_cross_entropy(node) or not any(n in derived for n in node.all_input_nodes):
+            continue
+        args = bind(node, _CROSS_ENTROPY_SIGNATURE)
+        if args["size_average"] is not None or args["reduce"] is not None:
+            raise NotImplementedError(
+                f"{node.name}: use reduction= instead of the deprecated size_average/reduce."
+            )
+        reduction, ignore_index = args["reduction"], args["ignore_index"]
+        if reduction == "none":
+            raise NotImplementedError(
+                f"{node.name}: cross_entropy(reduction='none') over sequence shards is not supported yet; "
+                "use reduction='mean' (ignore_index for padding) or 'sum'."
+            )
+        target = example_value(args["target"])
+        if reduction == "mean" and (
+            args["weight"] is not None or (target is not None and target.is_floating_point())
+        ):
+            raise NotImplementedError(
+                f"{node.name}: a mean cross_entropy with class weights or probability targets is not "
+                "supported under SP yet; use reduction='sum' and divide by your own global count."
+            )
+        group = ctx.group_name
+        with graph.inserting_before(node.next):
+            total = _call(graph, torch.ops.autosp.all_reduce_sum.default, (node, group))
+            loss = total
+            if reduction == "mean":
+                valid = _call(graph, operator.ne, (args["target"], ignore_index))
+                local_count = _call(graph, torch.sum, (valid,), {"dtype": torch.float32})
+                count = _call(graph, torch.ops.autosp.all_reduce_sum.default, (local_count, group))
+                typed_count = _call(graph, torch.Tensor.to, (count, example_value(node).dtype))
+                loss = _call(graph, operator.truediv, (total, typed_count))
+        _redirect_uses(node, loss, keep=total)
+        if reduction == "mean":
+            node.args = (args["input"], args["target"])
+            node.kwargs = {k: v for k, v in args.items() if k not in ("input", "target")} | {
+                "reduction": "sum"
+            }
+        report.losses.append(f"{node.name}: {reduction} over {'valid ' if reduction == 'mean' else ''}tokens")
+    return gm
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _redirect_uses(node: fx.Node, replacement: fx.Node, keep: fx.Node | None = None) -> None:
+    """Point every user of ``node`` at ``replacement``, except the node that wraps ``node`` itself."""
+    keep = keep if keep is not None else replacement
+    node.replace_all_uses_with(replacement, delete_user_cb=lambda user: user is not keep)
+
+
+def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` and record its fake value, as Dynamo does for its nodes."""
+    node = graph.call_function(target, args, kwargs or {})
+    fake_args = torch.fx.node.map_arg(args, lambda n: n.meta.get("example_value"))
+    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, lambda n: n.meta.get("example_value"))
+    fake = next((v for v in _flatten(fake_args) if isinstance(v, torch.Tensor)), None)
+    mode = getattr(fake, "fake_mode", None)
+    if mode is not None:
+        try:
+            with mode:
+                node.meta["example_value"] = target(*fake_args, **fake_kwargs)
+        except Exception as error:  # shapes are a convenience for later passes, not a requirement
+            log.debug("no fake value for %s: %s", node.name, error)
+    return node
+
+
+def _flatten(value: object) -> list[object]:
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _flatten(item)]
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in _flatten(item)]
+    return [value]

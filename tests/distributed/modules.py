@@ -1,0 +1,118 @@
+"""Tiny LightningModules written as a user would write them for one device, for parity tests."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 48
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, mask: str) -> None:
+        super().__init__()
+        self.heads, self.mask = heads, mask
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (
+            t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)
+        )  # (B, nh, T, hs)
+        if self.mask == "triu":
+            future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=~future)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class TinyGPT(nn.Module):
+    def __init__(
+        self,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        mask: str = "causal",
+        graph_break: str | None = None,
+    ):
+        super().__init__()
+        self.graph_break = graph_break
+        self.wte = nn.Embedding(VOCAB, dim)
+        self.wpe = nn.Embedding(256, dim)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.attns = nn.ModuleList(Attention(dim, heads, mask) for _ in range(layers))
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.size(1), device=ids.device))
+        if self.graph_break == "between_layers":  # unrolled: Dynamo resumes after each break
+            x = self.layer(0, x)
+            torch._dynamo.graph_break()
+            x = self.layer(1, x)
+            return self.head(x)
+        for index in range(len(self.attns)):
+            x = self.layer(index, x)
+            if self.graph_break == "in_loop":  # Dynamo gives up on the whole frame
+                torch._dynamo.graph_break()
+        return self.head(x)
+
+    def layer(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attns[index](self.norms[index](x))
+        return x + self.mlps[index](x)
+
+
+class GPTModule(L.LightningModule):
+    """The loss, with its causal shift, is written in training_step."""
+
+    def __init__(self, **model_kwargs) -> None:
+        super().__init__()
+        self.model = TinyGPT(**model_kwargs)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        labels = batch.get("labels", ids)
+        logits = self.model(ids)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.training_step(batch, batch_idx)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class LlamaModule(L.LightningModule):
+    """HF Llama from a config; HF shifts the labels inside its loss."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=256,
+            attn_implementation="sdpa",
+            use_cache=False,
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)

@@ -1,0 +1,171 @@
+"""Run parity cases under torchrun: AutoSPStrategy vs the same module on one device.
+
+Every rank computes the single-device reference for its own dp group in-process (eager, no
+collectives), then trains one step with lr=0 under AutoSPStrategy and records the loss the step
+returned and the gradients after DDP's all-reduce. Results go to ``<out>/rank<r>.json``.
+
+    torchrun --nproc_per_node=2 tests/distributed/parity_worker.py --out DIR --cases gpt_shift llama_gqa
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_autosp import AutoSPStrategy  # noqa: E402
+from lightning_autosp.compiler import backend as backend_module  # noqa: E402
+from lightning_autosp.compiler.sp_pass import SPReport  # noqa: E402
+from tests.distributed.modules import VOCAB, GPTModule, LlamaModule  # noqa: E402
+
+
+@dataclass
+class Case:
+    module: type
+    module_kwargs: dict = field(default_factory=dict)
+    seq_len: int = 24
+    batch_size: int = 2
+    sp_size: int = 2
+    ignored_tail: tuple[int, ...] = ()  # per sample: how many trailing labels are -100
+    strategy_kwargs: dict = field(default_factory=dict)
+    sp_pass: bool = True
+
+
+CASES = {
+    "llama_gqa": Case(LlamaModule, {"heads": 4, "kv_heads": 2}),
+    "llama_1kv": Case(LlamaModule, {"heads": 4, "kv_heads": 1}),
+    "gpt_shift": Case(GPTModule),
+    "gpt_shift_no_sac": Case(GPTModule, strategy_kwargs={"sac": False}),
+    "gpt_triu_mask": Case(GPTModule, {"mask": "triu"}),
+    "gpt_graph_break": Case(GPTModule, {"graph_break": "between_layers"}),
+    "gpt_graph_break_in_loop": Case(GPTModule, {"graph_break": "in_loop"}),
+    "gpt_ddp_buckets": Case(GPTModule, {"dim": 256}, strategy_kwargs={"bucket_cap_mb": 1}),
+    "gpt_len61": Case(GPTModule, seq_len=61, ignored_tail=(5, 9)),
+    "llama_len61": Case(LlamaModule, seq_len=61, ignored_tail=(5, 9)),
+    "gpt_sp_pass_off": Case(GPTModule, sp_pass=False),
+    "dp2_sp2": Case(GPTModule, seq_len=30, batch_size=2, ignored_tail=(0, 7, 13, 29)),
+    "dp2_sp2_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, seq_len=30, ignored_tail=(3, 0, 29, 11)),
+}
+
+
+def make_samples(case: Case, count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(1234)
+    samples = []
+    for index in range(count):
+        ids = torch.randint(0, VOCAB, (case.seq_len,), generator=generator)
+        sample = {"input_ids": ids}
+        if case.ignored_tail:
+            labels = ids.clone()
+            tail = case.ignored_tail[index % len(case.ignored_tail)]
+            if tail:
+                labels[-tail:] = -100
+            sample["labels"] = labels
+        samples.append(sample)
+    return samples
+
+
+class Capture(L.Callback):
+    def __init__(self) -> None:
+        self.loss: float | None = None
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.loss = float(outputs["loss"])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads = {
+            n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
+        }
+
+
+def run_case(name: str, case: Case) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // case.sp_size
+    samples = make_samples(case, dp * case.batch_size)
+    torch.manual_seed(0)
+    module = case.module(**case.module_kwargs)
+
+    # Single-device reference on the samples Lightning's sampler hands dp group d (training loaders are
+    # always shuffled, seed 0); all ranks of one sp group must get the same ones.
+    losses, grads = [], {}
+    for group in range(dp):
+        indices = list(DistributedSampler(range(len(samples)), num_replicas=dp, rank=group, shuffle=True, seed=0))
+        batch = {k: torch.stack([samples[i][k] for i in indices]) for k in samples[0]}
+        module.zero_grad()
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        losses.append(loss.item())
+        for n, p in module.named_parameters():
+            grads[n] = grads.get(n, 0) + p.grad / dp
+    module.zero_grad()
+    reference_loss = losses[rank // case.sp_size]
+
+    strategy = AutoSPStrategy(sp_size=case.sp_size, compiler="aot_eager", **case.strategy_kwargs)
+    if not case.sp_pass:  # negative control: the passes report attention but rewrite nothing
+        backend_module.sequence_parallel_pass = lambda gm, inputs, ctx: (gm, SPReport(attention=["skipped"]))
+    capture = Capture()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[capture],
+    )
+    trainer.fit(module, DataLoader(samples, batch_size=case.batch_size, shuffle=False))
+    grad_err = max(
+        ((capture.grads[n] - grads[n]).abs().max() / grads[n].abs().max().clamp_min(1e-12)).item()
+        for n in grads
+    )
+    backends = list(strategy._backends.values())
+    return {
+        "loss": capture.loss,
+        "reference_loss": reference_loss,
+        "loss_rel_err": abs(capture.loss - reference_loss) / abs(reference_loss),
+        "grad_rel_err": grad_err,
+        "missing_grads": sorted(set(grads) - set(capture.grads)),
+        "all_to_alls": sum(r.all_to_alls for b in backends for r in b.reports),
+        "graphs": sum(len(b.reports) for b in backends),
+        "explain": strategy.explain(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="+", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results = {}
+    for name in args.cases:
+        torch._dynamo.reset()
+        original_pass = backend_module.sequence_parallel_pass
+        try:
+            results[name] = run_case(name, CASES[name])
+        except Exception as error:  # recorded per case so one failure does not hide the others
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            backend_module.sequence_parallel_pass = original_pass
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()
