@@ -159,55 +159,105 @@ def _all_reduce_backward(ctx, grad: Tensor):
 all_reduce_sum.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup_context)
 
 
-@torch.library.custom_op("autosp::head_of_next_shard", mutates_args=())
-def head_of_next_shard(x: Tensor, dim: int, count: int, rank: int, world: int, group_name: str) -> Tensor:
-    """The first ``count`` elements along ``dim`` of rank+1's shard (zeros on the last rank).
-
-    Used to rebuild a left shift (``labels[:, 1:]``) across a shard boundary: the target of a rank's
-    last position lives on the next rank. Every rank sends, so the collective is uniform.
-    """
-    gathered = [torch.empty_like(x.narrow(dim, 0, count)) for _ in range(world)]
-    dist.all_gather(gathered, x.narrow(dim, 0, count).contiguous(), group=_group(group_name))
-    if rank + 1 < world:
-        return gathered[rank + 1]
-    return torch.zeros_like(gathered[rank])
-
-
-@head_of_next_shard.register_fake
-def _(x: Tensor, dim: int, count: int, rank: int, world: int, group_name: str) -> Tensor:
-    return x.narrow(dim, 0, count).new_empty(x.narrow(dim, 0, count).shape)
-
-
-@torch.library.custom_op("autosp::return_halo_grad", mutates_args=())
-def return_halo_grad(
-    grad: Tensor, dim: int, count: int, input_len: int, rank: int, world: int, group_name: str
+@torch.library.custom_op("autosp::shift_from_next", mutates_args=())
+def shift_from_next(
+    x: Tensor,
+    dim: int,
+    start: int,
+    length: int,
+    halo: int,
+    halo_count: int,
+    rank: int,
+    world: int,
+    group_name: str,
 ) -> Tensor:
-    """Backward of ``head_of_next_shard``: rank r's first ``count`` elements fed rank r-1's halo."""
-    gathered = [torch.empty_like(grad) for _ in range(world)]
-    dist.all_gather(gathered, grad.contiguous(), group=_group(group_name))
+    """``cat(x.narrow(dim, start, length), first `halo` elements of rank+1's x)`` along ``dim``.
+
+    Rebuilds a left shift (``labels[:, 1:]``) across a shard boundary: the target of a rank's last
+    position is the next rank's first token. Every rank sends its first ``halo_count`` elements (the
+    most any rank needs), so the collective is the same on all ranks; the last rank takes none.
+    One op for the whole shifted value keeps the collective alive on ranks that use none of it.
+    """
+    head = x.narrow(dim, 0, halo_count).contiguous()
+    gathered = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(gathered, head, group=_group(group_name))
+    pieces = [x.narrow(dim, start, length)]
+    if rank + 1 < world:
+        pieces.append(gathered[rank + 1].narrow(dim, 0, halo))
+    return torch.cat(pieces, dim=dim)
+
+
+@shift_from_next.register_fake
+def _(
+    x: Tensor,
+    dim: int,
+    start: int,
+    length: int,
+    halo: int,
+    halo_count: int,
+    rank: int,
+    world: int,
+    group_name: str,
+) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = length + (halo if rank + 1 < world else 0)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("autosp::shift_from_next_backward", mutates_args=())
+def shift_from_next_backward(
+    grad: Tensor,
+    dim: int,
+    input_len: int,
+    start: int,
+    length: int,
+    halo: int,
+    halo_count: int,
+    rank: int,
+    world: int,
+    group_name: str,
+) -> Tensor:
+    """Gradient of ``shift_from_next``: the halo's gradient goes back to the rank it came from."""
     shape = list(grad.shape)
     shape[dim] = input_len
     grad_input = grad.new_zeros(shape)
+    grad_input.narrow(dim, start, length).copy_(grad.narrow(dim, 0, length))
+    sent = grad.new_zeros([*shape[:dim], halo_count, *shape[dim + 1 :]])
+    if rank + 1 < world:
+        sent.narrow(dim, 0, halo).copy_(grad.narrow(dim, length, halo))
+    gathered = [torch.empty_like(sent) for _ in range(world)]
+    dist.all_gather(gathered, sent, group=_group(group_name))
     if rank > 0:
-        grad_input.narrow(dim, 0, count).copy_(gathered[rank - 1])
+        grad_input.narrow(dim, 0, halo_count).add_(gathered[rank - 1])
     return grad_input
 
 
-@return_halo_grad.register_fake
-def _(grad: Tensor, dim: int, count: int, input_len: int, rank: int, world: int, group_name: str) -> Tensor:
+@shift_from_next_backward.register_fake
+def _(
+    grad: Tensor,
+    dim: int,
+    input_len: int,
+    start: int,
+    length: int,
+    halo: int,
+    halo_count: int,
+    rank: int,
+    world: int,
+    group_name: str,
+) -> Tensor:
     shape = list(grad.shape)
     shape[dim] = input_len
     return grad.new_empty(shape)
 
 
-def _halo_setup_context(ctx, inputs, output) -> None:
-    x, ctx.dim, ctx.count, ctx.rank, ctx.world, ctx.group_name = inputs
-    ctx.input_len = x.shape[ctx.dim]
+def _shift_setup_context(ctx, inputs, output) -> None:
+    x, *ctx.args = inputs
+    ctx.input_len = x.shape[ctx.args[0]]
 
 
-def _halo_backward(ctx, grad: Tensor):
-    args = (ctx.dim, ctx.count, ctx.input_len, ctx.rank, ctx.world, ctx.group_name)
-    return return_halo_grad(grad, *args), None, None, None, None, None
+def _shift_backward(ctx, grad: Tensor):
+    dim, *rest = ctx.args
+    return (shift_from_next_backward(grad, dim, ctx.input_len, *rest), *[None] * len(ctx.args))
 
 
-head_of_next_shard.register_autograd(_halo_backward, setup_context=_halo_setup_context)
+shift_from_next.register_autograd(_shift_backward, setup_context=_shift_setup_context)

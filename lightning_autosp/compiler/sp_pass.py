@@ -302,7 +302,7 @@ def globalize_sequence_slices_pass(
 
     After (rank r < P-1)::
 
-        labels [B, S_r] -> cat(labels[:, 1:], head_of_next_shard(labels, 1)) -> [B, S_r]
+        labels [B, S_r] -> shift_from_next(labels, start=1) -> [B, S_r]   # = cat(labels[:, 1:], next[:, :1])
 
     and on the last rank ``labels[:, 1:]`` (it owns positions up to S - 1). Likewise
     ``logits[:, :-1]`` drops a position on the last rank only, and a right pad (HF's
@@ -358,17 +358,17 @@ def _rewrite_slice(graph: fx.Graph, node: fx.Node, layout: SeqLayout, ctx: SPCon
     halo_count = max(p[2] for p in plans)
     local_start, local_len, halo = plans[shard.rank]
     with graph.inserting_before(node):
-        pieces = [_call(graph, torch.narrow, (source, layout.dim, local_start, local_len))]
         if halo_count:
             if halo_count > min(shard.seq_lens):
                 raise NotImplementedError(
                     f"{node.name}: the slice {item} reaches past the next rank's shard "
                     f"({min(shard.seq_lens)} tokens); use longer sequences or a smaller sp_size."
                 )
-            args = (source, layout.dim, halo_count, shard.rank, shard.world, ctx.group_name)
-            received = _call(graph, torch.ops.autosp.head_of_next_shard.default, args)
-            pieces.append(_call(graph, torch.narrow, (received, layout.dim, 0, halo)))
-        seq_fixed = pieces[0] if len(pieces) == 1 else _call(graph, torch.cat, (pieces,), {"dim": layout.dim})
+            args = (source, layout.dim, local_start, local_len, halo, halo_count)
+            args += (shard.rank, shard.world, ctx.group_name)
+            seq_fixed = _call(graph, torch.ops.autosp.shift_from_next.default, args)
+        else:
+            seq_fixed = _call(graph, torch.narrow, (source, layout.dim, local_start, local_len))
         items[position] = slice(None)
         if all(i == slice(None) or i is Ellipsis for i in items):
             replacement = seq_fixed
@@ -417,8 +417,8 @@ def globalize_loss_pass(
         Before: ``loss = cross_entropy(logits [N_r, V], targets [N_r])`` (mean over this rank's
         valid tokens). After::
 
-            total = all_reduce_sum(cross_entropy(..., reduction="sum"))
-            count = all_reduce_sum((targets != ignore_index).sum())
+            total, count = all_reduce_sum(stack([cross_entropy(..., reduction="sum"),
+                                                 (targets != ignore_index).sum()]))
             loss = total / count
 
         so every rank returns the single-device loss; a shard without valid tokens adds 0, not NaN.
@@ -451,15 +451,18 @@ def globalize_loss_pass(
             )
         group = ctx.group_name
         with graph.inserting_before(node.next):
-            total = _call(graph, torch.ops.autosp.all_reduce_sum.default, (node, group))
-            loss = total
-            if reduction == "mean":
+            if reduction == "sum":
+                loss = keep = _call(graph, torch.ops.autosp.all_reduce_sum.default, (node, group))
+            else:
+                # One collective for sum and count, so ranks cannot issue them in different orders.
                 valid = _call(graph, operator.ne, (args["target"], ignore_index))
-                local_count = _call(graph, torch.sum, (valid,), {"dtype": torch.float32})
-                count = _call(graph, torch.ops.autosp.all_reduce_sum.default, (local_count, group))
-                typed_count = _call(graph, torch.Tensor.to, (count, example_value(node).dtype))
-                loss = _call(graph, operator.truediv, (total, typed_count))
-        _redirect_uses(node, loss, keep=total)
+                local_count = _call(graph, torch.sum, (valid,), {"dtype": example_value(node).dtype})
+                keep = _call(graph, torch.stack, ([node, local_count],))
+                totals = _call(graph, torch.ops.autosp.all_reduce_sum.default, (keep, group))
+                total = _call(graph, operator.getitem, (totals, 0))
+                count = _call(graph, operator.getitem, (totals, 1))
+                loss = _call(graph, operator.truediv, (total, count))
+        _redirect_uses(node, loss, keep=keep)
         if reduction == "mean":
             node.args = (args["input"], args["target"])
             node.kwargs = {k: v for k, v in args.items() if k not in ("input", "target")} | {

@@ -54,6 +54,7 @@ CASES = {
     "gpt_len61": Case(GPTModule, seq_len=61, ignored_tail=(5, 9)),
     "llama_len61": Case(LlamaModule, seq_len=61, ignored_tail=(5, 9)),
     "gpt_sp_pass_off": Case(GPTModule, sp_pass=False),
+    "gpt_inductor": Case(GPTModule, {"mask": "triu"}, seq_len=25, strategy_kwargs={"compiler": "inductor"}),
     "dp2_sp2": Case(GPTModule, seq_len=30, batch_size=2, ignored_tail=(0, 7, 13, 29)),
     "dp2_sp2_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, seq_len=30, ignored_tail=(3, 0, 29, 11)),
 }
@@ -100,7 +101,9 @@ def run_case(name: str, case: Case) -> dict:
     # always shuffled, seed 0); all ranks of one sp group must get the same ones.
     losses, grads = [], {}
     for group in range(dp):
-        indices = list(DistributedSampler(range(len(samples)), num_replicas=dp, rank=group, shuffle=True, seed=0))
+        indices = list(
+            DistributedSampler(range(len(samples)), num_replicas=dp, rank=group, shuffle=True, seed=0)
+        )
         batch = {k: torch.stack([samples[i][k] for i in indices]) for k in samples[0]}
         module.zero_grad()
         loss = module.training_step(batch, 0)
@@ -111,7 +114,7 @@ def run_case(name: str, case: Case) -> dict:
     module.zero_grad()
     reference_loss = losses[rank // case.sp_size]
 
-    strategy = AutoSPStrategy(sp_size=case.sp_size, compiler="aot_eager", **case.strategy_kwargs)
+    strategy = AutoSPStrategy(sp_size=case.sp_size, **{"compiler": "aot_eager", **case.strategy_kwargs})
     if not case.sp_pass:  # negative control: the passes report attention but rewrite nothing
         backend_module.sequence_parallel_pass = lambda gm, inputs, ctx: (gm, SPReport(attention=["skipped"]))
     capture = Capture()
@@ -150,7 +153,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="+", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     results = {}
     for name in args.cases:
         torch._dynamo.reset()
