@@ -103,6 +103,7 @@ def sequence_parallel_pass(
         )
     sharded = find_sharded_inputs(gm, example_inputs, ctx.shard, ctx.seq_dim)
     layouts, derived = propagate_sequence_layout(gm, sharded)
+    globalize_split_masks_pass(gm, example_inputs, ctx, report, derived=derived)
     insert_all_to_all_pass(gm, ctx, report, derived=derived)
     gm.graph.eliminate_dead_code()  # the per-rank masks replaced by global ones
     globalize_positions_pass(gm, ctx, report)
@@ -201,23 +202,13 @@ def _global_mask(
             "attention_mask), which the SP pass cannot rebuild for the whole sequence yet. Drop the padding "
             "mask (causal LM with ignore_index labels needs none) or use is_causal=True."
         )
-    local, total = ctx.shard.local_len, ctx.shard.global_len
+    local = ctx.shard.local_len
     if local < 2:
         raise NotImplementedError(
             f"Each sp rank holds {local} token(s); masks need at least 2 per rank to be rebuilt. "
             "Use longer sequences or a smaller sp_size."
         )
-    producers = _ancestors(mask)
-    copies: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        if node not in producers or node.op in ("placeholder", "get_attr"):
-            continue
-        copy = graph.node_copy(node, lambda n: copies.get(n, n))
-        copy.args = _replace_int(copy.args, local, total)
-        copy.kwargs = _replace_int(copy.kwargs, local, total)
-        copy.meta = {_GLOBAL_MASK: True}
-        copies[node] = copy
-    global_mask = copies.get(mask, mask)
+    global_mask = _rebuild_at_global_length(graph, mask, ctx)
     value = example_value(mask)
     if value is not None and value.dim() == 4 and value.shape[1] == heads and heads > 1:
         per_rank = heads // ctx.shard.world
@@ -225,6 +216,88 @@ def _global_mask(
         index = (slice(None), slice(start, start + per_rank))
         global_mask = _call(graph, operator.getitem, (global_mask, index))
     return global_mask
+
+
+def _rebuild_at_global_length(graph: fx.Graph, node: fx.Node, ctx: SPContext) -> fx.Node:
+    """A copy of ``node``'s producers (at the insertion point) with every size S_r replaced by S."""
+    local, total = ctx.shard.local_len, ctx.shard.global_len
+    producers = _ancestors(node)
+    copies: dict[fx.Node, fx.Node] = {}
+    for producer in list(graph.nodes):
+        if producer not in producers or producer.op in ("placeholder", "get_attr"):
+            continue
+        copy = graph.node_copy(producer, lambda n: copies.get(n, n))
+        copy.args = _replace_int(copy.args, local, total)
+        copy.kwargs = _replace_int(copy.kwargs, local, total)
+        copy.meta = {_GLOBAL_MASK: True}
+        copies[producer] = copy
+    return copies.get(node, node)
+
+
+_MASK_BUILDERS = {"triu", "tril", "masked_fill", "where", "full", "le", "lt", "ge", "gt"}
+
+
+def _is_local_square(value: torch.Tensor | None, ctx: SPContext) -> bool:
+    local = ctx.shard.local_len
+    return value is not None and value.dim() >= 2 and tuple(value.shape[-2:]) == (local, local)
+
+
+def _looks_like_mask(node: fx.Node) -> bool:
+    if example_value(node).dtype == torch.bool:
+        return True
+    names = {getattr(n.target, "__name__", str(n.target)) for n in _ancestors(node)}
+    return bool(names & _MASK_BUILDERS)
+
+
+def globalize_split_masks_pass(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    ctx: SPContext,
+    report: SPReport,
+    *,
+    derived: set[fx.Node],
+) -> fx.GraphModule:
+    """Hand attention masks between sub-graphs at the global length.
+
+    DDP's graph splitting can put a mask's producers (HF builds one mask for all layers) and the
+    attentions that use it in different sub-graphs, each rewritten on its own. Both sides follow one
+    rule: a mask-shaped [..., S_r, S_r] value computed without per-token data leaves a sub-graph
+    rebuilt as [..., S, S] (producer side), and such a graph input that feeds an attention mask is
+    taken to arrive as [..., S, S] (consumer side; its example input is replaced to match).
+
+    Before: ``graph_0: mask [S_r, S_r] -> output``; ``graph_1: mask [S_r, S_r] -> sdpa``.
+    After:  ``graph_0: mask [S, S] -> output``;     ``graph_1: mask [S, S] -> a2a'd sdpa``.
+    """
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    rebuilt: dict[fx.Node, fx.Node] = {}
+    for value in output.all_input_nodes:
+        local_mask = _is_local_square(example_value(value), ctx) and _looks_like_mask(value)
+        if value.op != "placeholder" and value not in derived and local_mask:
+            with graph.inserting_before(output):
+                rebuilt[value] = _rebuild_at_global_length(graph, value, ctx)
+            report.masks.append(f"{value.name}: handed on at global length")
+    if rebuilt:
+        output.args = torch.fx.node.map_arg(output.args, lambda n: rebuilt.get(n, n))
+
+    mask_inputs = set().union(
+        *(_ancestors(m.attn_mask) for m in find_attention(gm) if m.attn_mask is not None)
+    )
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        value = example_value(node)
+        if node in mask_inputs and node not in derived and _is_local_square(value, ctx):
+            shape = (*value.shape[:-2], ctx.shard.global_len, ctx.shard.global_len)
+            mode = getattr(example, "fake_mode", None) or getattr(value, "fake_mode", None)
+            if mode is None:  # a real input: it arrives as it is, nothing to re-trace
+                continue
+            with mode:
+                global_value = torch.empty(shape, dtype=value.dtype, device=value.device)
+            node.meta["example_value"] = global_value
+            if isinstance(example, torch.Tensor) and isinstance(example_inputs, list):
+                example_inputs[index] = global_value
+            report.masks.append(f"{node.name}: received at global length")
+    return gm
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

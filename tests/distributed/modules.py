@@ -94,14 +94,14 @@ class GPTModule(L.LightningModule):
 class LlamaModule(L.LightningModule):
     """HF Llama from a config; HF shifts the labels inside its loss."""
 
-    def __init__(self, heads: int = 4, kv_heads: int = 2, layers: int = 2) -> None:
+    def __init__(self, heads: int = 4, kv_heads: int = 2, layers: int = 2, hidden: int = 32) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
             vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,

@@ -29,6 +29,7 @@ TWO_RANK_CASES = [
     "gpt_triu_mask",
     "gpt_graph_break",
     "gpt_ddp_buckets",
+    "llama_ddp_buckets",
     "gpt_len61",
 ]
 FOUR_RANK_CASES = ["dp2_sp2", "dp2_sp2_llama"]
@@ -58,7 +59,10 @@ def launch(ranks: int, cases: list[str], out: Path, timeout: int) -> dict[int, d
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict[int, dict]:
     return launch(
-        2, [*TWO_RANK_CASES, "gpt_graph_break_in_loop", "gpt_sp_pass_off"], tmp_path_factory.mktemp("p2"), 600
+        2,
+        [*TWO_RANK_CASES, "gpt_graph_break_in_loop", "gpt_sp_pass_off", "ddp_sp1"],
+        tmp_path_factory.mktemp("p2"),
+        600,
     )
 
 
@@ -67,11 +71,12 @@ def four_rank_results(tmp_path_factory) -> dict[int, dict]:
     return launch(4, FOUR_RANK_CASES, tmp_path_factory.mktemp("p4"), 600)
 
 
-def assert_parity(results: dict[int, dict], case: str) -> None:
+def assert_parity(results: dict[int, dict], case: str, *, sequence_parallel: bool = True) -> None:
     for rank, per_case in results.items():
         result = per_case[case]
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
-        assert result["all_to_alls"] > 0, result["explain"]
+        assert (result["all_to_alls"] > 0) == sequence_parallel, result["explain"]
+        assert result["checkpoint_keys_match"]
         assert not result["missing_grads"]
         assert result["loss_rel_err"] <= LOSS_TOLERANCE, (rank, result)
         assert result["grad_rel_err"] <= GRAD_TOLERANCE, (rank, result)
@@ -90,15 +95,22 @@ def test_parity_dp2_sp2(four_rank_results, case):
 
 
 @pytest.mark.timeout(700)
+def test_sp_size_1_is_plain_ddp(two_rank_results):
+    assert_parity(two_rank_results, "ddp_sp1", sequence_parallel=False)
+
+
+@pytest.mark.timeout(700)
 def test_ddp_buckets_split_the_graph(two_rank_results):
     # The bucketed case must really reach the backend as several sub-graphs, or it tests nothing.
     assert two_rank_results[0]["gpt_ddp_buckets"]["graphs"] > 2
+    assert two_rank_results[0]["llama_ddp_buckets"]["graphs"] > 2
 
 
 @pytest.mark.timeout(700)
 def test_parity_breaks_without_the_sp_pass(two_rank_results):
     # Negative control: same harness, passes disabled; the parity check must notice.
     result = two_rank_results[0]["gpt_sp_pass_off"]
+    assert "error" not in result, result.get("error")
     assert result["all_to_alls"] == 0
     assert result["loss_rel_err"] > 1e-3 and result["grad_rel_err"] > 1e-2
 
