@@ -64,6 +64,17 @@ def example_value(node: object) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def first_tensor_value(node: object) -> torch.Tensor | None:
+    """The example value of a node, or of the first tensor of a tuple-valued node (split, chunk)."""
+    value = example_value(node)
+    if value is not None or not isinstance(node, fx.Node):
+        return value
+    items = node.meta.get("example_value", node.meta.get("val"))
+    if isinstance(items, (tuple, list)):
+        return next((item for item in items if isinstance(item, torch.Tensor)), None)
+    return None
+
+
 def bind(node: fx.Node, signature: inspect.Signature) -> dict[str, object]:
     """The node's call arguments by parameter name, defaults filled in."""
     args = node.args[1:] if node.op == "call_method" else node.args
@@ -133,6 +144,17 @@ def is_parameter_input(node: fx.Node, example: object) -> bool:
     return "_parameters" in name or "_buffers" in name
 
 
+def non_sequence_sizes(sharded: dict[fx.Node, SeqLayout]) -> set[int]:
+    """Sizes of the sharded inputs' other dims (the batch size): a sequence length equal to one of
+    them cannot be told apart from it by value."""
+    return {
+        size
+        for node, layout in sharded.items()
+        for dim, size in enumerate(example_value(node).shape)
+        if dim != layout.dim
+    }
+
+
 def find_sharded_inputs(
     gm: fx.GraphModule, example_inputs: Iterable[object], shard: SequenceShard, seq_dim: int
 ) -> dict[fx.Node, SeqLayout]:
@@ -181,7 +203,7 @@ def propagate_sequence_layout(
             continue
         derived.add(node)
         source = next((n for n in inputs if n in layouts), None)
-        value, source_value = example_value(node), example_value(source)
+        value, source_value = first_tensor_value(node), first_tensor_value(source)
         if source is None or value is None or source_value is None:
             continue
         layout = layouts[source]
@@ -201,7 +223,7 @@ def is_sequence_slice(node: fx.Node, layouts: dict[fx.Node, SeqLayout]) -> bool:
     if node.op != "call_function" or node.target is not operator.getitem:
         return False
     source, index = node.args
-    if source not in layouts:
+    if source not in layouts or example_value(source) is None:
         return False
     position = index_position(index, example_value(source).dim(), layouts[source].dim)
     if position is None:

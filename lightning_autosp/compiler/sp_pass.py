@@ -42,6 +42,7 @@ from lightning_autosp.compiler.analysis import (
     is_cross_entropy,
     is_sequence_pad,
     is_sequence_slice,
+    non_sequence_sizes,
     propagate_sequence_layout,
 )
 from lightning_autosp.data import SequenceShard
@@ -86,6 +87,15 @@ class SPContext:
     group_name: str
     seq_dim: int = 1
 
+    def check_unambiguous(self, other_sizes: set[int], what: str) -> None:
+        """Sequence sizes are recognized by value: refuse when another batch dim has the same value."""
+        if self.shard.local_len in other_sizes:
+            raise ValueError(
+                f"The per-rank sequence length ({self.shard.local_len}) equals another dimension of the "
+                f"batch (sizes {sorted(other_sizes)}), so the SP pass cannot tell which sizes in {what} are "
+                "sequence lengths. Use a batch size that differs from sequence_length / sp_size."
+            )
+
     @property
     def comm_args(self) -> tuple[list[int], int, str]:
         return list(self.shard.seq_lens), self.shard.rank, self.group_name
@@ -103,10 +113,11 @@ def sequence_parallel_pass(
         )
     sharded = find_sharded_inputs(gm, example_inputs, ctx.shard, ctx.seq_dim)
     layouts, derived = propagate_sequence_layout(gm, sharded)
+    other_sizes = non_sequence_sizes(sharded)
     globalize_split_masks_pass(gm, example_inputs, ctx, report, derived=derived)
-    insert_all_to_all_pass(gm, ctx, report, derived=derived)
+    insert_all_to_all_pass(gm, ctx, report, derived=derived, other_sizes=other_sizes)
     gm.graph.eliminate_dead_code()  # the per-rank masks replaced by global ones
-    globalize_positions_pass(gm, ctx, report)
+    globalize_positions_pass(gm, ctx, report, other_sizes=other_sizes)
     globalize_sequence_slices_pass(gm, ctx, report, layouts=layouts)
     globalize_loss_pass(gm, ctx, report, derived=derived)
     gm.graph.eliminate_dead_code()
@@ -120,7 +131,12 @@ def sequence_parallel_pass(
 
 
 def insert_all_to_all_pass(
-    gm: fx.GraphModule, ctx: SPContext, report: SPReport, *, derived: set[fx.Node]
+    gm: fx.GraphModule,
+    ctx: SPContext,
+    report: SPReport,
+    *,
+    derived: set[fx.Node],
+    other_sizes: set[int] = frozenset(),
 ) -> fx.GraphModule:
     """Give attention the whole sequence for H/P of the heads.
 
@@ -172,6 +188,7 @@ def insert_all_to_all_pass(
             )
             mask = args["attn_mask"]
             if mask is not None:
+                ctx.check_unambiguous(other_sizes, f"the attention mask of {match.node.name}")
                 mask = _global_mask(graph, mask, ctx, heads, derived, match)
                 report.masks.append(f"{match.node.name}: {mask.name}")
         args.update(query=q, key=k, value=v, attn_mask=mask)
@@ -179,6 +196,7 @@ def insert_all_to_all_pass(
         match.node.kwargs = {
             name: args[name] for name in ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         }
+        _set_fake_value(match.node)  # now [B, H/P, S, D]
         with graph.inserting_after(match.node):
             back = _call(graph, torch.ops.autosp.head_to_seq.default, (match.node, *dims, *ctx.comm_args))
         _redirect_uses(match.node, back)
@@ -329,7 +347,9 @@ def _replace_int(value: object, old: int, new: int) -> object:
 # 2. positions
 
 
-def globalize_positions_pass(gm: fx.GraphModule, ctx: SPContext, report: SPReport) -> fx.GraphModule:
+def globalize_positions_pass(
+    gm: fx.GraphModule, ctx: SPContext, report: SPReport, *, other_sizes: set[int] = frozenset()
+) -> fx.GraphModule:
     """Positions from ``arange`` count from this rank's first global position.
 
     Before: ``pos = arange(S_r)`` -> [0, ..., S_r - 1]
@@ -342,6 +362,7 @@ def globalize_positions_pass(gm: fx.GraphModule, ctx: SPContext, report: SPRepor
         start, end, step, kwargs = _arange_args(node)
         if (start, end, step) != (0, local, 1):
             continue
+        ctx.check_unambiguous(other_sizes, f"arange({local})")
         node.args, node.kwargs = (offset, offset + local), kwargs
         report.positions.append(f"{node.name}: arange({local}) -> arange({offset}, {offset + local})")
     return gm
@@ -557,17 +578,22 @@ def _redirect_uses(node: fx.Node, replacement: fx.Node, keep: fx.Node | None = N
 def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
     """Insert ``target(*args, **kwargs)`` and record its fake value, as Dynamo does for its nodes."""
     node = graph.call_function(target, args, kwargs or {})
-    fake_args = torch.fx.node.map_arg(args, lambda n: n.meta.get("example_value"))
-    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, lambda n: n.meta.get("example_value"))
-    fake = next((v for v in _flatten(fake_args) if isinstance(v, torch.Tensor)), None)
-    mode = getattr(fake, "fake_mode", None)
-    if mode is not None:
-        try:
-            with mode:
-                node.meta["example_value"] = target(*fake_args, **fake_kwargs)
-        except Exception as error:  # shapes are a convenience for later passes, not a requirement
-            log.debug("no fake value for %s: %s", node.name, error)
+    _set_fake_value(node)
     return node
+
+
+def _set_fake_value(node: fx.Node) -> None:
+    fake_args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("example_value"))
+    fake_kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("example_value"))
+    fake = next((v for v in _flatten([fake_args, fake_kwargs]) if isinstance(v, torch.Tensor)), None)
+    mode = getattr(fake, "fake_mode", None)
+    if mode is None:
+        return
+    try:
+        with mode:
+            node.meta["example_value"] = node.target(*fake_args, **fake_kwargs)
+    except Exception as error:  # shapes are a convenience for later passes, not a requirement
+        log.debug("no fake value for %s: %s", node.name, error)
 
 
 def _flatten(value: object) -> list[object]:

@@ -1,0 +1,226 @@
+"""Helpers for single-process tests of the SP pass: capture Dynamo graphs, rewrite them per rank, and
+run the rewritten graphs of all ranks in threads with an in-process stand-in for the collectives."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import lightning_autosp.compiler.ops as ops
+from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
+from lightning_autosp.data import SequenceShard, shard_batch
+from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
+
+GROUP = "fake_group"
+SEQ_TO_HEAD = torch.ops.autosp.seq_to_head.default
+HEAD_TO_SEQ = torch.ops.autosp.head_to_seq.default
+ALL_REDUCE_SUM = torch.ops.autosp.all_reduce_sum.default
+SHIFT_FROM_NEXT = torch.ops.autosp.shift_from_next.default
+
+# kind -> (factory, q heads, head dim)
+MODULES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {
+    "gpt-causal": (lambda: GPTModule(mask="causal"), 4, 8),
+    "gpt-triu": (lambda: GPTModule(mask="triu"), 4, 8),
+    "llama-kv2": (lambda: LlamaModule(heads=4, kv_heads=2), 4, 8),
+    "llama-kv1": (lambda: LlamaModule(heads=4, kv_heads=1), 4, 8),
+}
+
+
+@functools.cache
+def module(kind: str) -> torch.nn.Module:
+    """One seeded instance per kind, shared by every rank's graph (the graphs hold its parameters)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return MODULES[kind][0]()
+
+
+@functools.cache
+def global_batch(batch_size: int, global_len: int, ignored_tail: int = 0) -> dict[str, torch.Tensor]:
+    """Token ids (and labels when ``ignored_tail`` > 0: the last positions set to ignore_index)."""
+    generator = torch.Generator().manual_seed(1000 * batch_size + global_len)
+    ids = torch.randint(0, VOCAB, (batch_size, global_len), generator=generator)
+    batch = {"input_ids": ids}
+    if ignored_tail:
+        labels = ids.clone()
+        labels[:, global_len - ignored_tail :] = -100
+        batch["labels"] = labels
+    return batch
+
+
+def training_step(kind: str) -> Callable[[dict], torch.Tensor]:
+    lightning_module = module(kind)
+    return lambda batch: lightning_module.training_step(batch, 0)
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule
+    example_inputs: list[Any]
+
+
+class CaptureBackend:
+    """Keeps every graph Dynamo hands over; runs an untouched copy so the compiled call still works."""
+
+    def __init__(self) -> None:
+        self.graphs: list[Captured] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        runner = copy.deepcopy(gm)
+        self.graphs.append(Captured(gm, list(example_inputs)))
+        return runner.forward
+
+
+def capture(fn: Callable, *args: Any) -> Captured:
+    """The one graph Dynamo traces for ``fn(*args)`` at these (local) shapes."""
+    torch._dynamo.reset()
+    backend = CaptureBackend()
+    torch.compile(fn, backend=backend, dynamic=False)(*args)
+    assert len(backend.graphs) == 1, f"expected one graph, got {len(backend.graphs)} (a graph break?)"
+    return backend.graphs[0]
+
+
+@contextlib.contextmanager
+def force_sdpa_gqa(enabled: bool) -> Iterator[None]:
+    """HF repeats KV heads itself unless told to hand GQA to SDPA (``enable_gqa=True``)."""
+    if not enabled:
+        yield
+        return
+    with mock.patch.dict(os.environ, {"TRANSFORMERS_SDPA_FORCE_GQA": "1"}):
+        yield
+
+
+@dataclass
+class Rewritten:
+    gm: fx.GraphModule
+    report: SPReport
+    example_inputs: list[Any]
+    shard: SequenceShard
+
+
+@functools.cache
+def rewritten_step(
+    kind: str,
+    global_len: int,
+    world: int,
+    rank: int,
+    batch_size: int = 2,
+    gqa: bool = False,
+    ignored_tail: int = 0,
+) -> Rewritten:
+    """The training step of ``kind`` traced on rank ``rank``'s shard and rewritten by the SP pass.
+
+    Cached: tests only read the graphs (fake propagation adds ``meta["val"]``, nothing else).
+    """
+    batch, shard = shard_batch(global_batch(batch_size, global_len, ignored_tail), world=world, rank=rank)
+    with force_sdpa_gqa(gqa):
+        captured = capture(training_step(kind), batch)
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    return Rewritten(gm, report, captured.example_inputs, shard)
+
+
+def nodes_with_target(gm: fx.GraphModule, target: object) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def fake_propagate(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Propagate fake tensors through the rewritten graph (writes ``meta["val"]``); raises on shape errors.
+
+    The autosp ops have fake implementations, so no collective runs and the group name is never resolved.
+    """
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_inputs)
+
+
+def fake_shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+# --------------------------------------------------------------------------------------------------
+# Running every rank's rewritten graph in one process
+
+
+class ThreadedComm:
+    """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.ops``: each rank is a thread,
+    and a collective exchanges the ranks' tensors through shared slots between two barriers."""
+
+    def __init__(self, world: int, timeout: float = 60.0) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+        self.slots: list[Any] = [None] * world
+        self.local = threading.local()
+        self.calls: list[list[str]] = [[] for _ in range(world)]
+
+    @property
+    def rank(self) -> int:
+        return self.local.rank
+
+    def _exchange(self, name: str, value: Any) -> list[Any]:
+        self.calls[self.rank].append(name)
+        self.slots[self.rank] = value
+        self.barrier.wait()
+        everyone = list(self.slots)
+        self.barrier.wait()
+        return everyone
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group=None) -> None:
+        everyone = self._exchange("all_to_all_single", input.split(input_split_sizes))
+        received = [everyone[source][self.rank] for source in range(self.world)]
+        assert [r.numel() for r in received] == list(output_split_sizes), "split sizes disagree"
+        output.copy_(torch.cat(received))
+
+    def all_gather(self, tensor_list, tensor, group=None) -> None:
+        everyone = self._exchange("all_gather", tensor.clone())
+        for out, value in zip(tensor_list, everyone):
+            assert out.shape == value.shape, "all_gather shapes disagree across ranks"
+            out.copy_(value)
+
+    def all_reduce(self, tensor, group=None) -> None:
+        everyone = self._exchange("all_reduce", tensor.clone())
+        tensor.copy_(torch.stack(everyone).sum(0))
+
+
+def run_ranks(world: int, fn: Callable[[int], Any]) -> tuple[list[Any], ThreadedComm]:
+    """``fn(rank)`` on ``world`` threads with the autosp ops talking through a ``ThreadedComm``."""
+    comm = ThreadedComm(world)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        comm.local.rank = rank
+        try:
+            results[rank] = fn(rank)
+        except BaseException as error:  # re-raised in the main thread
+            errors.append(error)
+            comm.barrier.abort()
+
+    with mock.patch.object(ops, "dist", comm), mock.patch.object(ops, "_group", lambda name: None):
+        threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    real_errors = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real_errors or errors:
+        raise (real_errors or errors)[0]
+    return results, comm

@@ -1,0 +1,123 @@
+"""The autosp custom ops on a real one-process gloo group: registration (opcheck), values, gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_autosp.compiler.ops import (
+    _from_front,
+    _head_to_seq_shape,
+    _seq_to_head_shape,
+    _to_front,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+ops = torch.ops.autosp
+LAYOUTS = {"BHSD": (1, 2), "BSHD": (2, 1)}
+
+
+def _x(shape=(2, 4, 6, 3)) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("op", ["seq_to_head", "head_to_seq"])
+def test_opcheck_all_to_all(gloo_group: str, op: str, layout: str) -> None:
+    head_dim, seq_dim = LAYOUTS[layout]
+    x = _x()
+    seq_len = x.shape[seq_dim]
+    torch.library.opcheck(getattr(ops, op), (x, head_dim, seq_dim, [seq_len], 0, gloo_group))
+
+
+def test_opcheck_all_reduce_sum(gloo_group: str) -> None:
+    torch.library.opcheck(ops.all_reduce_sum, (_x(), gloo_group))
+    torch.library.opcheck(ops.all_reduce_sum, (torch.tensor(3.0, requires_grad=True), gloo_group))
+
+
+@pytest.mark.parametrize("shift", [1, 2])
+def test_opcheck_shift_from_next(gloo_group: str, shift: int) -> None:
+    x = _x((2, 6, 3))
+    # the only rank is the last: it keeps x[:, shift:] and takes no halo, but still sends its head
+    args = (1, shift, 6 - shift, 0, shift, 0, 1, gloo_group)
+    torch.library.opcheck(ops.shift_from_next, (x, *args))
+    grad = torch.randn(2, 6 - shift, 3, dtype=torch.float64)
+    torch.library.opcheck(ops.shift_from_next_backward, (grad, 1, 6, *args[1:]))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_round_trip_is_identity_and_gradients_flow(gloo_group: str, layout: str) -> None:
+    head_dim, seq_dim = LAYOUTS[layout]
+    x = _x()
+    args = (head_dim, seq_dim, [x.shape[seq_dim]], 0, gloo_group)
+    heads = ops.seq_to_head(x, *args)
+    assert torch.equal(heads, x)  # one rank holds every head and every token
+    back = ops.head_to_seq(heads, *args)
+    assert torch.equal(back, x)
+    back.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_all_reduce_sum_single_rank(gloo_group: str) -> None:
+    x = _x((5,))
+    total = ops.all_reduce_sum(x, gloo_group)
+    assert torch.equal(total, x) and total.data_ptr() != x.data_ptr()  # out of place
+    (3 * total).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_shift_from_next_on_the_only_rank(gloo_group: str) -> None:
+    x = _x((2, 6, 3))
+    shifted = ops.shift_from_next(x, 1, 1, 5, 0, 1, 0, 1, gloo_group)  # labels[:, 1:]
+    assert torch.equal(shifted, x[:, 1:])
+    (2 * shifted).sum().backward()
+    expected = torch.full_like(x, 2.0)
+    expected[:, 0] = 0  # the first token is nobody's target
+    assert torch.equal(x.grad, expected)
+
+
+def test_fake_shapes_for_several_ranks() -> None:
+    """The fake kernels never touch the group, so shapes for any world size can be checked here."""
+    with FakeTensorMode():
+        x = torch.empty(2, 6, 5, 3)  # [B, H, S_1, D] on rank 1 of seq_lens [6, 5, 5]
+        heads = ops.seq_to_head(x, 1, 2, [6, 5, 5], 1, "no_group")
+        assert tuple(heads.shape) == (2, 2, 16, 3)
+        assert tuple(ops.head_to_seq(heads, 1, 2, [6, 5, 5], 1, "no_group").shape) == (2, 6, 5, 3)
+        # x[:, :, 1:] plus one token of the next rank, except on the last rank
+        assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 1, 3, "no_group").shape) == (2, 6, 5, 3)
+        assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 2, 3, "no_group").shape) == (2, 6, 4, 3)
+        grad = torch.empty(2, 6, 5, 3)
+        assert tuple(ops.shift_from_next_backward(grad, 2, 5, 1, 4, 1, 1, 1, 3, "g").shape) == (2, 6, 5, 3)
+        assert tuple(ops.all_reduce_sum(torch.empty(()), "no_group").shape) == ()
+
+
+def test_shape_helpers() -> None:
+    assert _seq_to_head_shape([2, 4, 6, 3], 1, 2, [6, 5]) == [2, 2, 11, 3]
+    assert _seq_to_head_shape([2, 6, 4, 3], 2, 1, [6, 5]) == [2, 11, 2, 3]
+    assert _head_to_seq_shape([2, 2, 11, 3], 1, 2, [6, 5], 1) == [2, 4, 5, 3]
+    assert _head_to_seq_shape([2, 11, 2, 3], -2, -3, [6, 5], 0) == [2, 6, 4, 3]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=3, max_size=5),
+    data=st.data(),
+)
+def test_to_front_from_front_round_trip(shape: list[int], data) -> None:
+    ndim = len(shape)
+    head_dim, seq_dim = data.draw(
+        st.lists(st.integers(-ndim, ndim - 1), min_size=2, max_size=2).filter(
+            lambda dims: dims[0] % ndim != dims[1] % ndim
+        )
+    )
+    x = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    front = _to_front(x, head_dim, seq_dim)
+    assert front.shape[:2] == (shape[head_dim], shape[seq_dim])
+    assert torch.equal(
+        front[:, :, 0], x.movedim((head_dim, seq_dim), (0, 1)).reshape(*front.shape[:2], -1)[..., 0]
+    )
+    assert torch.equal(_from_front(front, shape, head_dim, seq_dim), x)

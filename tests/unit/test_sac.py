@@ -1,0 +1,157 @@
+"""Sequence-aware activation checkpointing: same numbers, attention and collectives saved, no global state."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import pytest
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lightning_autosp.compiler.backend import AutoSPBackend
+from lightning_autosp.compiler.sac import (
+    SequenceAwarePartitioner,
+    forward_nodes,
+    recompute_policy,
+    tag_recompute_policy,
+)
+from lightning_autosp.compiler.sp_pass import SPContext
+from lightning_autosp.data import SequenceShard
+from tests.distributed.modules import VOCAB, GPTModule
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+
+ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+class RecordingPartitioner(SequenceAwarePartitioner):
+    """Keeps the tagged joint graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.joints: list[fx.GraphModule] = []
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        self.joints.append(gm)
+        return super().__call__(gm, joint_inputs, **kwargs)
+
+
+def _ids(global_len: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, global_len), generator=torch.Generator().manual_seed(3))
+
+
+def _module() -> GPTModule:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return GPTModule()
+
+
+def _step(module: GPTModule, backend, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    step = lambda batch: module.training_step(batch, 0)
+    if backend is not None:
+        torch._dynamo.reset()
+        step = torch.compile(step, backend=backend, dynamic=False)
+    module.zero_grad(set_to_none=True)
+    loss = step({"input_ids": ids})
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in module.parameters()]
+
+
+def _assert_same(a, b, rtol: float = 1e-6) -> None:
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=0)
+    for grad_a, grad_b in zip(grads_a, grads_b):
+        torch.testing.assert_close(grad_a, grad_b, rtol=rtol, atol=1e-7)
+
+
+def _tagged(joint: fx.GraphModule) -> dict[fx.Node, CheckpointPolicy]:
+    return {n: n.meta["recompute"] for n in joint.graph.nodes if n.meta.get("recompute") is not None}
+
+
+def _is_attention(node: fx.Node) -> bool:
+    target = node.args[0].target if node.target is operator.getitem else node.target
+    return ATTENTION in str(target)
+
+
+def test_sac_gives_the_same_loss_and_gradients() -> None:
+    module, ids = _module(), _ids()
+    with_sac = AutoSPBackend(None, compiler="aot_eager", sac=True)
+    with_sac.partitioner = RecordingPartitioner()
+    without_sac = AutoSPBackend(None, compiler="aot_eager", sac=False)
+    assert without_sac.partitioner is None
+
+    eager = _step(module, None, ids)
+    sac = _step(module, with_sac, ids)
+    plain = _step(module, without_sac, ids)
+    _assert_same(sac, plain)
+    _assert_same(sac, eager, rtol=1e-5)
+
+    (joint,) = with_sac.partitioner.joints
+    tags = _tagged(joint)
+    saved = {n for n, policy in tags.items() if policy is CheckpointPolicy.MUST_SAVE}
+    attention = [n for n in saved if n.target is not operator.getitem]
+    assert len(attention) == 2 and all(ATTENTION in str(n.target) for n in attention)
+    assert saved == {n for n in tags if _is_attention(n)}  # the attention ops and their outputs only
+    assert Counter(policy.name for policy in tags.values()) == with_sac.partitioner.last_counts
+    assert with_sac.partitioner.last_counts["PREFER_RECOMPUTE"] > 50
+    # only forward nodes are tagged
+    assert set(tags) <= set(forward_nodes(joint))
+
+
+def test_sac_leaves_no_process_wide_state() -> None:
+    module, ids = _module(), _ids()
+    _step(module, AutoSPBackend(None, compiler="aot_eager", sac=True), ids)
+    assert torch._inductor.config.custom_partitioner_fn is None
+
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    expected = other(x).sum()
+    expected_grads = torch.autograd.grad(expected, list(other.parameters()))
+    torch._dynamo.reset()
+    actual = torch.compile(lambda t: other(t).sum(), backend="aot_eager")(x)
+    actual_grads = torch.autograd.grad(actual, list(other.parameters()))
+    assert torch.equal(actual, expected)
+    for a, e in zip(actual_grads, expected_grads):
+        assert torch.equal(a, e)
+    assert torch._inductor.config.custom_partitioner_fn is None
+
+
+def test_single_rank_sequence_parallel_step_matches_eager(gloo_group: str) -> None:
+    """The SP pass on a one-rank group: every collective runs for real and is saved, not recomputed."""
+    module, ids = _module(), _ids()
+    backend = AutoSPBackend(
+        SPContext(SequenceShard.balanced(ids.shape[1], 1, 0), gloo_group), compiler="aot_eager", sac=True
+    )
+    backend.partitioner = RecordingPartitioner()
+    _assert_same(_step(module, backend, ids), _step(module, None, ids), rtol=1e-5)
+    assert backend.attention_count == 2
+    (joint,) = backend.partitioner.joints
+    collectives = [n for n in forward_nodes(joint) if str(n.target).startswith("autosp.")]
+    assert len(collectives) == 4 * 2 + 1  # all-to-alls, plus the loss's sum and count
+    tags = _tagged(joint)
+    assert all(tags[n] is CheckpointPolicy.MUST_SAVE for n in collectives)
+
+
+def test_recompute_policy() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("primals_1")
+    tangent = graph.placeholder("tangents_1")
+    mm = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    dropout = graph.call_function(torch.ops.aten.native_dropout.default, (mm, 0.1, True))
+    mask = graph.call_function(operator.getitem, (dropout, 1))
+    a2a = graph.call_function(torch.ops.autosp.all_reduce_sum.default, (mm, "g"))
+    backward = graph.call_function(torch.ops.aten.mul.Tensor, (tangent, mask))
+    graph.output((a2a, backward))
+    joint = fx.GraphModule(torch.nn.Module(), graph)
+
+    assert forward_nodes(joint) == [mm, dropout, mask, a2a]
+    assert recompute_policy(mm) is CheckpointPolicy.PREFER_RECOMPUTE
+    assert recompute_policy(dropout) is CheckpointPolicy.MUST_SAVE  # random: recomputing changes it
+    assert recompute_policy(a2a) is CheckpointPolicy.MUST_SAVE
+    counts = tag_recompute_policy(joint)
+    assert mask.meta["recompute"] is CheckpointPolicy.MUST_SAVE  # inherited from its tuple
+    assert "recompute" not in backward.meta
+    assert counts == Counter({"MUST_SAVE": 3, "PREFER_RECOMPUTE": 1})
+    assert SequenceAwarePartitioner().uuid() == SequenceAwarePartitioner().uuid()

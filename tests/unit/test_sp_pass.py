@@ -1,0 +1,438 @@
+"""Graph-level tests of the SP pass on small Dynamo graphs, one rank at a time (no collective runs).
+
+Each rank's graph is traced on its local shard (``shard_batch``), rewritten with ``sequence_parallel_pass``
+and checked node by node; ``fake_propagate`` then pushes fake tensors through the rewritten graph, which
+checks that every inserted op receives the shapes it expects.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from lightning_autosp.compiler.analysis import find_attention, find_sharded_inputs
+from lightning_autosp.compiler.sp_pass import (
+    _GLOBAL_MASK,
+    SPContext,
+    SPReport,
+    globalize_positions_pass,
+    sequence_parallel_pass,
+)
+from lightning_autosp.data import SequenceShard
+from tests.distributed.modules import VOCAB, TinyGPT
+from tests.unit.sp_graphs import (
+    ALL_REDUCE_SUM,
+    GROUP,
+    HEAD_TO_SEQ,
+    MODULES,
+    SEQ_TO_HEAD,
+    SHIFT_FROM_NEXT,
+    ancestors,
+    capture,
+    fake_propagate,
+    fake_shape,
+    nodes_with_target,
+    rewritten_step,
+)
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+
+KINDS = list(MODULES)
+B = 2  # batch size of the traced steps
+
+
+def output_values(gm: fx.GraphModule) -> tuple[fx.Node, ...]:
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return tuple(output.args[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# attention
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_attention_gets_four_all_to_alls(kind: str, rank: int) -> None:
+    heads, head_dim = MODULES[kind][1:]
+    rewritten = rewritten_step(kind, 24, 2, rank)
+    gm, report = rewritten.gm, rewritten.report
+
+    attention = find_attention(gm)
+    assert len(attention) == 2  # two layers
+    assert report.attention == [m.node.name for m in attention]
+    assert report.all_to_alls == 4 * len(attention)
+    assert len(nodes_with_target(gm, SEQ_TO_HEAD)) == 3 * len(attention)
+    assert len(nodes_with_target(gm, HEAD_TO_SEQ)) == len(attention)
+
+    for match in attention:
+        for operand in (match.query, match.key, match.value):
+            assert operand.target is SEQ_TO_HEAD
+            assert operand.args[1:] == (1, 2, [12, 12], rank, GROUP)  # BHSD, seq_lens, rank, group
+            in_heads = operand.args[0].meta["example_value"].shape[1]
+            assert tuple(operand.meta["example_value"].shape) == (B, in_heads // 2, 24, head_dim)
+        (back,) = match.node.users
+        assert back.target is HEAD_TO_SEQ
+        assert back.args == (match.node, 1, 2, [12, 12], rank, GROUP)
+        assert tuple(match.query.meta["example_value"].shape) == (B, heads // 2, 24, head_dim)
+
+    fake_propagate(gm, rewritten.example_inputs)
+    for match in attention:
+        assert fake_shape(match.node) == (B, heads // 2, 24, head_dim)
+        assert fake_shape(next(iter(match.node.users))) == (B, heads, 12, head_dim)
+    (loss,) = output_values(gm)
+    assert fake_shape(loss) == ()
+
+
+def test_head_to_seq_example_value_has_local_shape() -> None:
+    gm = rewritten_step("gpt-causal", 24, 2, 1).gm
+    for node in nodes_with_target(gm, HEAD_TO_SEQ):
+        assert tuple(node.meta["example_value"].shape) == (B, 4, 12, 8)
+
+
+def test_only_token_inputs_are_sharded() -> None:
+    # hidden size 12 == the local length: the parameters have a dim of 12 too, and stay replicated
+    shard = SequenceShard.balanced(24, 2, 1)
+    captured = capture(TinyGPT(dim=12, heads=4), torch.zeros(B, shard.local_len, dtype=torch.long))
+    sharded = find_sharded_inputs(captured.gm, captured.example_inputs, shard, seq_dim=1)
+    assert [n.name for n in sharded] == ["l_ids_"]
+    assert all(layout.dim == 1 and layout.global_len == 24 for layout in sharded.values())
+
+
+@pytest.mark.parametrize(
+    ("kind", "gqa", "repeated"),
+    [
+        ("llama-kv1", True, True),  # 1 KV head over sp=2: replicated to 2 before the all-to-all
+        ("llama-kv2", True, False),  # 2 KV heads split over sp=2 as they are
+        ("llama-kv1", False, False),  # HF repeats KV to 4 heads itself when SDPA does not do GQA
+    ],
+)
+def test_gqa_kv_heads(kind: str, gqa: bool, repeated: bool) -> None:
+    rewritten = rewritten_step(kind, 24, 2, 0, gqa=gqa)
+    gm, report = rewritten.gm, rewritten.report
+    attention = find_attention(gm)
+    assert all(m.node.kwargs["enable_gqa"] is gqa for m in attention)
+    repeats = nodes_with_target(gm, torch.repeat_interleave)
+    if repeated:
+        assert len(repeats) == 2 * len(attention)
+        assert all(n.args[1] == 2 and n.kwargs == {"dim": 1} for n in repeats)
+        for match in attention:
+            assert match.key.args[0].target is torch.repeat_interleave
+            assert match.value.args[0].target is torch.repeat_interleave
+            assert match.query.args[0].target is not torch.repeat_interleave
+        assert len(report.replicated_kv_heads) == len(attention)
+        assert all(line.endswith("1 -> 2") for line in report.replicated_kv_heads)
+    else:
+        assert repeats == []
+        assert report.replicated_kv_heads == []
+
+    fake_propagate(gm, rewritten.example_inputs)
+    kv_heads = 1 if gqa else 2  # per rank after the all-to-all
+    for match in attention:
+        assert fake_shape(match.key) == fake_shape(match.value) == (B, kv_heads, 24, 8)
+        assert fake_shape(match.query) == (B, 2, 24, 8)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "world"), [(8, 2, 4), (4, 1, 2), (6, 3, 2), (12, 3, 4), (4, 2, 2)]
+)
+def test_gqa_replication_factor(heads: int, kv_heads: int, world: int) -> None:
+    local = 5
+    shard = SequenceShard.balanced(local * world, world, 1)
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    q = torch.randn(1, heads, local, 4)
+    kv = torch.randn(1, kv_heads, local, 4)
+    captured = capture(attention, q, kv, kv.clone())
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+
+    repeats = world // math.gcd(kv_heads, world)
+    inserted = nodes_with_target(gm, torch.repeat_interleave)
+    if repeats == 1:
+        assert inserted == [] and report.replicated_kv_heads == []
+    else:
+        assert [n.args[1] for n in inserted] == [repeats, repeats]
+        assert report.replicated_kv_heads == [f"{report.attention[0]}: {kv_heads} -> {kv_heads * repeats}"]
+    fake_propagate(gm, captured.example_inputs)
+    (match,) = find_attention(gm)
+    assert fake_shape(match.key) == (1, kv_heads * repeats // world, local * world, 4)
+    (out,) = output_values(gm)
+    assert fake_shape(out) == (1, heads, local, 4)
+
+
+def test_heads_not_divisible_by_sp_size() -> None:
+    shard = SequenceShard.balanced(24, 2, 0)
+    captured = capture(TinyGPT(dim=24, heads=3), torch.zeros(B, shard.local_len, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"must divide the number of attention heads \(3\).*\[1, 3\]"):
+        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+
+
+def test_flash_attention_is_rejected() -> None:
+    def flash_attn_func(q, k, v):
+        return q
+
+    graph = fx.Graph()
+    q = graph.placeholder("q")
+    graph.output(graph.call_function(flash_attn_func, (q, q, q)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    shard = SequenceShard.balanced(8, 2, 0)
+    with pytest.raises(NotImplementedError, match="flash-attn"):
+        sequence_parallel_pass(gm, [torch.zeros(1, 4, 2, 8)], SPContext(shard, GROUP))
+
+
+def test_mask_computed_from_tokens_is_rejected() -> None:
+    shard = SequenceShard.balanced(12, 2, 0)
+
+    def attention(q, k, v, keep):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :] > 0)
+
+    q = torch.randn(1, 2, 6, 4)
+    captured = capture(attention, q, q.clone(), q.clone(), torch.ones(1, 6, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="per-token inputs"):
+        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+
+
+def test_graph_without_attention() -> None:
+    shard = SequenceShard.balanced(24, 2, 1)
+    embedding = torch.nn.Embedding(VOCAB, 8)
+    captured = capture(lambda ids: embedding(ids).relu().sum(-1), torch.zeros(B, 12, dtype=torch.long))
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    assert report.attention == [] and report.all_to_alls == 0
+    assert not any(str(n.target).startswith("autosp.") for n in gm.graph.nodes)
+    assert report.lines()[0] == "attention nodes: 0 (none)"
+
+
+# --------------------------------------------------------------------------------------------------
+# positions and masks
+
+
+@pytest.mark.parametrize(
+    ("kind", "global_len", "rank", "expected"),
+    [
+        ("gpt-causal", 24, 0, (0, 12)),
+        ("gpt-causal", 24, 1, (12, 24)),
+        ("gpt-causal", 61, 1, (31, 61)),
+        ("llama-kv2", 24, 1, (12, 24)),
+    ],
+)
+def test_positions_count_from_the_shard_offset(kind: str, global_len: int, rank: int, expected) -> None:
+    rewritten = rewritten_step(kind, global_len, 2, rank)
+    positions = [
+        n for n in nodes_with_target(rewritten.gm, torch.arange) if not n.meta.get(_GLOBAL_MASK)
+    ]  # HF's rebuilt mask has its own, global-length aranges
+    assert [n.args for n in positions] == [expected]
+    assert len(rewritten.report.positions) == 1
+
+
+def test_positions_pass_leaves_other_aranges_alone() -> None:
+    graph = fx.Graph()
+    ranges = {
+        "positions": graph.call_function(torch.arange, (12,)),
+        "positions_end_kwarg": graph.call_function(torch.arange, (), {"end": 12, "dtype": torch.float32}),
+        "shorter": graph.call_function(torch.arange, (5,)),
+        "longer": graph.call_function(torch.arange, (24,)),
+        "offset": graph.call_function(torch.arange, (3, 15)),
+        "strided": graph.call_function(torch.arange, (0, 12, 2)),
+        "mask_copy": graph.call_function(torch.arange, (12,)),
+    }
+    ranges["mask_copy"].meta[_GLOBAL_MASK] = True
+    graph.output(tuple(ranges.values()))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    report = SPReport()
+
+    globalize_positions_pass(gm, SPContext(SequenceShard.balanced(24, 2, 1), GROUP), report)
+
+    assert ranges["positions"].args == (12, 24)
+    assert ranges["positions_end_kwarg"].args == (12, 24)
+    assert ranges["positions_end_kwarg"].kwargs == {"dtype": torch.float32}
+    assert ranges["shorter"].args == (5,)
+    assert ranges["longer"].args == (24,)
+    assert ranges["offset"].args == (3, 15)
+    assert ranges["strided"].args == (0, 12, 2)
+    assert ranges["mask_copy"].args == (12,)
+    assert len(report.positions) == 2
+
+
+def test_batch_size_equal_to_local_length_is_refused_for_positions() -> None:
+    # arange(B) and arange(S_r) look alike when B == S_r: refuse instead of guessing.
+    def step(ids):
+        x = ids.float() + torch.arange(ids.shape[1])  # positions
+        rows = torch.arange(ids.shape[0])  # batch indices, not positions
+        return x[rows, 0].sum()
+
+    captured = capture(step, torch.zeros(4, 4, dtype=torch.long))  # B == S_r == 4
+    shard = SequenceShard.balanced(8, 2, 1)
+    with pytest.raises(ValueError, match="cannot tell which sizes in arange"):
+        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+
+
+@pytest.mark.parametrize(("global_len", "rank"), [(24, 0), (24, 1), (61, 1)])
+def test_triu_mask_rebuilt_at_global_length(global_len: int, rank: int) -> None:
+    rewritten = rewritten_step("gpt-triu", global_len, 2, rank)
+    gm, report = rewritten.gm, rewritten.report
+    local = rewritten.shard.local_len
+    attention = find_attention(gm)
+    assert len(report.masks) == len(attention) == 2
+    for match in attention:
+        mask = match.node.kwargs["attn_mask"]
+        ones = [n for n in ancestors(mask) if n.target is torch.ones]
+        assert [n.args for n in ones] == [(global_len, global_len)]
+    # the per-rank masks are gone (dead code after the rewrite)
+    assert not [n for n in nodes_with_target(gm, torch.ones) if n.args == (local, local)]
+
+    fake_propagate(gm, rewritten.example_inputs)
+    for match in attention:
+        assert fake_shape(match.node.kwargs["attn_mask"]) == (global_len, global_len)
+
+
+def test_hf_mask_rebuilt_at_global_length() -> None:
+    rewritten = rewritten_step("llama-kv2", 24, 2, 1)
+    fake_propagate(rewritten.gm, rewritten.example_inputs)
+    assert len(rewritten.report.masks) == 2
+    for match in find_attention(rewritten.gm):
+        assert fake_shape(match.node.kwargs["attn_mask"]) == (B, 1, 24, 24)
+
+
+def test_hf_mask_when_batch_size_equals_local_length_is_refused() -> None:
+    # HF's mask expands to (B, 1, S, S): with B == S_r a rebuilt mask would be guessed wrong.
+    with pytest.raises(ValueError, match="cannot tell which sizes in the attention mask"):
+        rewritten_step("llama-kv2", 24, 2, 0, batch_size=12)
+
+
+# --------------------------------------------------------------------------------------------------
+# label shift and loss
+
+
+@pytest.mark.parametrize(
+    ("kind", "global_len", "world", "rank", "tokens"),
+    [
+        # GPT: logits[:, :-1] / ids[:, 1:] -> global S - 1 positions, cut at the shard boundaries
+        ("gpt-causal", 24, 2, 0, 12),
+        ("gpt-causal", 24, 2, 1, 11),
+        ("gpt-causal", 61, 2, 0, 31),
+        ("gpt-causal", 61, 2, 1, 29),
+        ("gpt-causal", 26, 4, 0, 7),
+        ("gpt-causal", 26, 4, 2, 6),
+        ("gpt-causal", 26, 4, 3, 5),
+        # HF: pad(labels, (0, 1), -100)[..., 1:] -> S positions, one per logit
+        ("llama-kv2", 24, 2, 0, 12),
+        ("llama-kv2", 24, 2, 1, 12),
+        ("llama-kv2", 61, 2, 0, 31),
+        ("llama-kv2", 61, 2, 1, 30),
+    ],
+)
+def test_label_shift_fetches_the_next_shard_head(kind, global_len, world, rank, tokens) -> None:
+    rewritten = rewritten_step(kind, global_len, world, rank)
+    gm, report = rewritten.gm, rewritten.report
+    (ids,) = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.endswith("input_ids_")]
+    # one op for the whole shifted labels, on every rank, the last one included (it takes no halo but
+    # still sends its head), so that the all_gather inside matches across ranks
+    (shift,) = nodes_with_target(gm, SHIFT_FROM_NEXT)
+    source, dim, start, length, halo, halo_count, *rest = shift.args
+    assert ids in ancestors(source)
+    assert (dim, start, halo_count) == (1, 1, 1)
+    assert halo == (1 if rank + 1 < world else 0)
+    assert length + halo == tokens
+    assert rest == [rank, world, GROUP]
+    assert len(report.slices) == 2
+
+    fake_propagate(gm, rewritten.example_inputs)
+    (cross_entropy,) = nodes_with_target(gm, F.cross_entropy)
+    logits, target = cross_entropy.args[:2]
+    assert fake_shape(logits) == (B * tokens, VOCAB)
+    assert fake_shape(target) == (B * tokens,)
+
+
+@pytest.mark.parametrize("kind", ["gpt-causal", "llama-kv2"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_mean_loss_becomes_global_sum_over_global_count(kind: str, rank: int) -> None:
+    rewritten = rewritten_step(kind, 24, 2, rank)
+    gm = rewritten.gm
+    (cross_entropy,) = nodes_with_target(gm, F.cross_entropy)
+    assert cross_entropy.kwargs["reduction"] == "sum"
+    # sum and count travel in one all-reduce, so no two ranks can issue them in different orders
+    (totals,) = nodes_with_target(gm, ALL_REDUCE_SUM)
+    stacked, group = totals.args
+    assert group == GROUP and stacked.target is torch.stack
+    (local_sum, local_count), *_ = stacked.args
+    assert local_sum is cross_entropy and list(cross_entropy.users) == [stacked]
+    assert local_count.target is torch.sum and local_count.kwargs == {"dtype": torch.float32}
+    (valid,) = local_count.args
+    assert valid.target is operator.ne and valid.args == (cross_entropy.args[1], -100)
+    (loss,) = output_values(gm)
+    assert loss.target is operator.truediv
+    assert [(n.target, n.args) for n in loss.args] == [
+        (operator.getitem, (totals, 0)),
+        (operator.getitem, (totals, 1)),
+    ]
+    assert len(rewritten.report.losses) == 1
+
+    fake_propagate(gm, rewritten.example_inputs)
+    assert fake_shape(totals) == (2,) and fake_shape(loss) == ()
+
+
+def test_sum_loss_is_all_reduced() -> None:
+    shard = SequenceShard.balanced(24, 2, 1)
+
+    def loss(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    captured = capture(loss, torch.randn(B, 12, 7), torch.zeros(B, 12, dtype=torch.long))
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    (cross_entropy,) = nodes_with_target(gm, F.cross_entropy)
+    (total,) = nodes_with_target(gm, ALL_REDUCE_SUM)
+    assert total.args == (cross_entropy, GROUP)
+    assert output_values(gm) == (total,)
+    assert report.losses == [f"{cross_entropy.name}: sum over tokens"]
+
+
+class SplitThenHead(torch.nn.Module):
+    """The logits come from the halves of a split (a tuple), with no residual to carry the layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        gate, value = self.embedding(ids).split(8, dim=2)
+        logits = self.head(gate.sigmoid() * value)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def test_layout_survives_a_split() -> None:
+    shard = SequenceShard.balanced(24, 2, 0)
+    captured = capture(SplitThenHead(), torch.zeros(B, shard.local_len, dtype=torch.long))
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    assert len(report.slices) == 2  # logits[:, :-1] and ids[:, 1:]
+    fake_propagate(gm, captured.example_inputs)
+
+
+def test_loss_without_sharded_inputs_is_left_alone() -> None:
+    shard = SequenceShard.balanced(24, 2, 0)
+
+    def losses(ids, logits, target):
+        return ids.float().mean(), F.cross_entropy(logits, target)
+
+    captured = capture(losses, torch.zeros(B, 12, dtype=torch.long), torch.randn(5, 7), torch.zeros(5).long())
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    (cross_entropy,) = nodes_with_target(gm, F.cross_entropy)
+    assert cross_entropy.kwargs.get("reduction", "mean") == "mean"
+    assert nodes_with_target(gm, ALL_REDUCE_SUM) == [] and report.losses == []
+
+
+def test_unreduced_loss_is_rejected() -> None:
+    shard = SequenceShard.balanced(24, 2, 0)
+
+    def loss(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+
+    captured = capture(loss, torch.randn(B, 12, 7), torch.zeros(B, 12, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="reduction='none'"):
+        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))

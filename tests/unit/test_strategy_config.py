@@ -1,0 +1,193 @@
+"""AutoSPStrategy configuration and checks that need no process group."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+import lightning_autosp
+from lightning_autosp.compiler.backend import AutoSPBackend
+from lightning_autosp.compiler.sp_pass import SPReport
+from lightning_autosp.mesh import check_sp_size
+from lightning_autosp.strategy import AutoSPStrategy, _check_sequence_parallel_applied
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _restore_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """set_world_ranks() writes the process-wide rank_zero_only.rank; keep it for the other tests."""
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0), raising=False)
+    for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
+def strategy(num_devices: int, **kwargs) -> AutoSPStrategy:
+    return AutoSPStrategy(
+        parallel_devices=[CPU] * num_devices, cluster_environment=LightningEnvironment(), **kwargs
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# sp_size
+
+
+def test_check_sp_size_lists_divisors() -> None:
+    with pytest.raises(
+        ValueError, match=r"sp_size=3 must divide the world size \(4 processes\).*\[1, 2, 4\]"
+    ):
+        check_sp_size(4, 3)
+    check_sp_size(4, 2)
+    check_sp_size(4, 4)
+    check_sp_size(6, 3)
+
+
+@pytest.mark.parametrize("sp_size", [0, -2, True, 2.0, "2"])
+def test_check_sp_size_positive_int(sp_size) -> None:
+    with pytest.raises(ValueError, match="sp_size must be a positive integer"):
+        check_sp_size(4, sp_size)
+
+
+@pytest.mark.parametrize("sp_size", [0, -1, True])
+def test_strategy_rejects_bad_sp_size(sp_size) -> None:
+    with pytest.raises(ValueError, match="positive integer"):
+        AutoSPStrategy(sp_size=sp_size)
+
+
+def test_strategy_rejects_unknown_compiler() -> None:
+    with pytest.raises(ValueError, match="compiler='tvm'"):
+        AutoSPStrategy(compiler="tvm")
+    with pytest.raises(ValueError, match="compiler='tvm'"):
+        AutoSPBackend(None, compiler="tvm")
+
+
+def test_registered() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert lightning_autosp.AutoSPStrategy is AutoSPStrategy
+    assert "autosp" in StrategyRegistry
+    assert StrategyRegistry["autosp"]["strategy"] is AutoSPStrategy
+
+
+def test_defaults() -> None:
+    s = AutoSPStrategy()
+    assert (s.seq_dim, s.sequence_keys, s.compiler, s.sac) == (1, None, "inductor", True)
+    assert AutoSPStrategy(sequence_keys=["input_ids", "labels"]).sequence_keys == ("input_ids", "labels")
+
+
+def test_sp_size_must_divide_world_before_any_process_group() -> None:
+    s = strategy(3, sp_size=2)
+    with pytest.raises(ValueError, match=r"sp_size=2 must divide the world size \(3 processes\).*\[1, 3\]"):
+        s.set_world_ranks()
+    assert not torch.distributed.is_initialized()
+
+
+def test_device_mesh_before_setup() -> None:
+    with pytest.raises(RuntimeError, match="before processes have initialized"):
+        _ = strategy(2, sp_size=2).device_mesh
+
+
+# --------------------------------------------------------------------------------------------------
+# ranks
+
+
+def test_ranks_world_4_sp_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    s = strategy(4, sp_size=2)
+    s.set_world_ranks()
+    assert (s.global_rank, s.world_size) == (3, 4)
+    assert (s.sp_size, s.sp_rank, s.dp_size, s.dp_rank) == (2, 1, 2, 1)
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def test_ranks_set_on_the_cluster_environment() -> None:
+    env = LightningEnvironment()
+    env.set_global_rank(3)
+    env.set_world_size(4)
+    s = AutoSPStrategy(sp_size=2, parallel_devices=[CPU] * 4, cluster_environment=env)
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    env.set_global_rank(2)
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    env.set_global_rank(1)
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_sp_size_defaults_to_devices_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    s = strategy(2)
+    s.num_nodes = 2
+    s.set_world_ranks()
+    assert (s.global_rank, s.world_size) == (2, 4)
+    assert (s.sp_size, s.sp_rank, s.dp_size, s.dp_rank) == (2, 0, 2, 1)
+    assert s.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def test_sp_size_equal_to_world_means_one_dp_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    s = strategy(4, sp_size=4)
+    s.set_world_ranks()
+    assert s.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    assert s.sp_rank == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# the post-compile check
+
+
+def _backend(*reports: SPReport) -> AutoSPBackend:
+    backend = AutoSPBackend(None, compiler="aot_eager")
+    backend.reports.extend(reports)
+    return backend
+
+
+def test_check_passes_with_attention() -> None:
+    _check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport(attention=["sdpa"])), 0)
+
+
+def test_check_no_attention() -> None:
+    with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
+        _check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport()), 0)
+
+
+def test_check_backend_never_called() -> None:
+    with pytest.raises(RuntimeError, match="without calling the AutoSP backend"):
+        _check_sequence_parallel_applied("validation_step", _backend(), 0)
+
+
+def test_check_frames_fell_back_to_eager() -> None:
+    backend = _backend(SPReport(attention=["sdpa"]))
+    with pytest.raises(RuntimeError, match=r"training_step \(2 frame\(s\) fell back to eager"):
+        _check_sequence_parallel_applied("training_step", backend, 2)
+
+
+def test_explain_before_compiling() -> None:
+    assert AutoSPStrategy(sp_size=2).explain() == "Nothing compiled yet."
+
+
+# --------------------------------------------------------------------------------------------------
+# batches
+
+
+def test_batch_to_device_keeps_this_sp_ranks_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    s = strategy(4, sp_size=2)
+    s.set_world_ranks()
+    ids = torch.arange(22).reshape(2, 11)
+    batch = s.batch_to_device({"input_ids": ids, "labels": ids.clone()})
+    assert torch.equal(batch["input_ids"], ids[:, 6:])  # sp rank 1 of (6, 5)
+    assert torch.equal(batch["labels"], ids[:, 6:])
+    assert s.sequence_shard is not None and s.sequence_shard.seq_lens == (6, 5) and s.sequence_shard.rank == 1
+
+
+def test_batch_to_device_without_sequence_parallelism() -> None:
+    s = strategy(1, sp_size=1)
+    s.set_world_ranks()
+    ids = torch.arange(22).reshape(2, 11)
+    assert torch.equal(s.batch_to_device({"input_ids": ids})["input_ids"], ids)
+    assert s.sequence_shard is None
