@@ -48,7 +48,8 @@ class AutoSPStrategy(DDPStrategy):
         sequence_keys: batch keys whose length defines the sequence (default: ``input_ids``, else
             the first integer tensor); every tensor with that length along ``seq_dim`` is sharded.
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
-        sac: sequence-aware activation checkpointing (``compiler/sac.py``).
+        sac: sequence-aware activation checkpointing: True (recompute all but attention and
+            collectives), "auto" (within 10% of the step's FLOPs, from a FLOP model), or False.
         timeout: process-group timeout; a rank that fails leaves the others waiting at most this long.
         **ddp_kwargs: passed to ``DistributedDataParallel``.
     """
@@ -62,7 +63,7 @@ class AutoSPStrategy(DDPStrategy):
         seq_dim: int = 1,
         sequence_keys: Sequence[str] | None = None,
         compiler: Compiler = "inductor",
-        sac: bool = True,
+        sac: bool | str = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -88,6 +89,8 @@ class AutoSPStrategy(DDPStrategy):
             check_sp_size(sp_size, sp_size)
         if compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
+        if sac not in (True, False, "auto"):
+            raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
         self._sp_size = sp_size
         self.seq_dim = seq_dim
         self.sequence_keys = tuple(sequence_keys) if sequence_keys else None
@@ -180,6 +183,7 @@ class AutoSPStrategy(DDPStrategy):
             for index, report in enumerate(backend.reports):
                 lines.append(f"graph {index} ({layout}):")
                 lines.extend(f"  {line}" for line in report.lines())
+            lines.extend(f"{report.line()}" for report in backend.sac_reports)
         return "\n".join(lines) if lines else "Nothing compiled yet."
 
     def backend_for(self, shard: SequenceShard | None) -> AutoSPBackend:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from functorch.compile import make_boxed_func
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 
-from lightning_autosp.compiler.sac import SequenceAwarePartitioner
+from lightning_autosp.compiler.sac import SACReport, SequenceAwarePartitioner
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
 
 Compiler = Literal["inductor", "aot_eager"]
@@ -28,7 +28,9 @@ class AutoSPBackend:
         context: this rank's shard and sp group; ``None`` runs no SP pass (sp_size=1).
         compiler: "inductor" generates code; "aot_eager" runs the same passes and partitioning
             without code generation (fast to compile; for tests and debugging).
-        sac: recompute everything but attention and collectives in backward (``compiler/sac.py``).
+        sac: True recomputes everything but attention and collectives in backward; "auto" recomputes
+            what fits in 10% of the step's FLOPs, cheapest per byte first; False saves as PyTorch's
+            min-cut partitioner decides (``compiler/sac.py``).
 
     Dynamo calls the backend once per graph: several times after graph breaks or when DDP splits
     the graph into buckets. Each call is rewritten on its own and leaves a report in ``reports``.
@@ -43,7 +45,13 @@ class AutoSPBackend:
         self.compiler = compiler
         self.sac = sac
         self.reports: list[SPReport] = []
-        self.partitioner = SequenceAwarePartitioner() if sac else None
+        if sac not in (True, False, "auto"):
+            raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
+        self.partitioner = SequenceAwarePartitioner({True: "all", False: "off", "auto": "auto"}[sac])
+
+    @property
+    def sac_reports(self) -> list[SACReport]:
+        return self.partitioner.reports
 
     @property
     def attention_count(self) -> int:
@@ -54,12 +62,11 @@ class AutoSPBackend:
             gm, report = sequence_parallel_pass(gm, example_inputs, self.context)
             self.reports.append(report)
         if self.compiler == "inductor":
-            patches = {"custom_partitioner_fn": self.partitioner} if self.partitioner is not None else None
+            patches = {"custom_partitioner_fn": self.partitioner}
             return compile_fx(gm, example_inputs, config_patches=patches)
-        partition = self.partitioner or min_cut_rematerialization_partition
-        return aot_autograd(fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=partition)(
-            gm, example_inputs
-        )
+        return aot_autograd(
+            fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
+        )(gm, example_inputs)
 
 
 def frames_not_compiled() -> int:

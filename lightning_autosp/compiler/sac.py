@@ -13,15 +13,22 @@ Used through ``torch._inductor.config.custom_partitioner_fn`` (patched for one c
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
+
+log = logging.getLogger(__name__)
+
+SACMode = Literal["all", "auto", "off"]
 
 _ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention",
@@ -73,8 +80,12 @@ def recompute_policy(node: fx.Node) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def tag_recompute_policy(joint: fx.GraphModule) -> Counter:
-    """Write ``node.meta["recompute"]`` on every forward op; getitems share their parent's tag."""
+def tag_recompute_policy(joint: fx.GraphModule, recomputable: set[fx.Node] | None = None) -> Counter:
+    """Write ``node.meta["recompute"]`` on forward ops; getitems share their parent's tag.
+
+    ``recomputable`` limits PREFER_RECOMPUTE to those nodes (the "auto" budget); the others keep the
+    min-cut partitioner's own rules.
+    """
     counts: Counter = Counter()
     for node in forward_nodes(joint):
         if node.op != "call_function":
@@ -83,23 +94,140 @@ def tag_recompute_policy(joint: fx.GraphModule) -> Counter:
             policy = node.args[0].meta["recompute"]
         else:
             policy = recompute_policy(node)
+            if (
+                policy is CheckpointPolicy.PREFER_RECOMPUTE
+                and recomputable is not None
+                and node not in recomputable
+            ):
+                continue
         node.meta["recompute"] = policy
         node.meta.setdefault("ac_graph_id", 0)
         counts[policy.name] += 1
     return counts
 
 
-class SequenceAwarePartitioner(CustomPartitionerFn):
-    """Min-cut partitioning with SAC tags. ``last_counts`` holds the policy counts of the last graph."""
+def _value(node: object) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
 
-    def __init__(self) -> None:
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one ATen node from its fake values (matmuls, attention); other ops count 0."""
+    packet = getattr(node.target, "_overloadpacket", None)
+    if _op_name(node) in _ATTENTION_OPS:
+        query, key = _value(node.args[0]), _value(node.args[1])
+        batch_heads = query.shape[:-2].numel()
+        return 4 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    args = torch.fx.node.map_arg(node.args, _value)
+    kwargs = torch.fx.node.map_arg(node.kwargs, _value)
+    try:
+        return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception:  # an unusual overload: count nothing rather than fail the compile
+        return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.nbytes if isinstance(value, torch.Tensor) else 0
+
+
+def choose_recomputable(joint: fx.GraphModule, overhead: float) -> tuple[set[fx.Node], str]:
+    """Pick the ops whose recompute buys the most memory per FLOP, within ``overhead`` of the step.
+
+    The step costs about 3x the forward FLOPs (forward + 2x backward). Ops are taken cheapest
+    FLOPs-per-byte first: elementwise ops and norms (no matmul FLOPs) always, matmuls while their
+    FLOPs fit in the budget. At long sequences attention dominates the FLOPs, so the budget covers
+    the linear layers; at short ones it does not, and they stay saved.
+    """
+    forward = [n for n in forward_nodes(joint) if n.op == "call_function"]
+    total = sum(node_flops(n) for n in forward)
+    attention = sum(node_flops(n) for n in forward if _op_name(n) in _ATTENTION_OPS)
+    budget = overhead * 3 * total
+    candidates = [n for n in forward if recompute_policy(n) is CheckpointPolicy.PREFER_RECOMPUTE]
+    candidates.sort(key=lambda n: node_flops(n) / max(node_bytes(n), 1))
+    chosen, spent = set(), 0
+    for node in candidates:
+        flops = node_flops(node)
+        if spent + flops > budget:
+            break
+        chosen.add(node)
+        spent += flops
+    share = attention / total if total else 0.0
+    reason = (
+        f"attention is {share:.0%} of forward FLOPs; recompute budget {overhead:.0%} of the step "
+        f"({budget / 1e9:.3g} GFLOP) covers {len(chosen)}/{len(candidates)} ops ({spent / 1e9:.3g} GFLOP)"
+    )
+    return chosen, reason
+
+
+@dataclass
+class SACReport:
+    """What SAC chose for one graph."""
+
+    mode: str
+    saved_bytes: int
+    recomputed_ops: int
+    recomputed_flops: int
+    step_flops: int
+    reason: str = ""
+
+    def line(self) -> str:
+        share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
+        text = (
+            f"SAC ({self.mode}): {self.saved_bytes / 2**20:.2f} MiB of activations saved for backward, "
+            f"{self.recomputed_ops} ops recomputed ({share:.1%} of step FLOPs)"
+        )
+        return f"{text}; {self.reason}" if self.reason else text
+
+
+def summarize_partition(
+    mode: str, forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int, reason: str = ""
+) -> SACReport:
+    """Bytes the forward hands to backward, and the forward ops backward runs again."""
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    # Inputs handed on (parameters, the batch) are held anyway; count the activations.
+    saved = {
+        id(v): v for v in output.args[0][num_fwd_outputs:] if isinstance(v, fx.Node) and v.op != "placeholder"
+    }
+    saved_bytes = sum(node_bytes(n) for n in saved.values())
+    recomputed = [n for n in forward_nodes(backward) if n.op == "call_function" and node_flops(n) >= 0]
+    recomputed = [n for n in recomputed if n.target is not operator.getitem]
+    forward_flops = sum(node_flops(n) for n in forward.graph.nodes if n.op == "call_function")
+    recomputed_flops = sum(node_flops(n) for n in recomputed)
+    return SACReport(mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, reason)
+
+
+class SequenceAwarePartitioner(CustomPartitionerFn):
+    """Min-cut partitioning with SAC tags; a report per partitioned graph lands in ``reports``.
+
+    Args:
+        mode: "all" recomputes every op but attention, collectives and random ops; "auto" picks
+            ops within ``overhead`` of the step's FLOPs (``choose_recomputable``); "off" tags
+            nothing (PyTorch's own min-cut choices) and only reports.
+    """
+
+    def __init__(self, mode: SACMode = "all", overhead: float = 0.1) -> None:
+        self.mode = mode
+        self.overhead = overhead
         self.last_counts: Counter = Counter()
+        self.reports: list[SACReport] = []
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        self.last_counts = tag_recompute_policy(gm)
-        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        reason = ""
+        if self.mode != "off":
+            recomputable, reason = (
+                (None, "") if self.mode == "all" else choose_recomputable(gm, self.overhead)
+            )
+            self.last_counts = tag_recompute_policy(gm, recomputable)
+        forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
+        self.reports.append(report)
+        log.info(report.line())
+        return forward, backward
 
     def uuid(self) -> Any:
         return get_hash_for_files((__file__,))
