@@ -80,7 +80,7 @@ def test_sac_gives_the_same_loss_and_gradients() -> None:
     with_sac = AutoSPBackend(None, compiler="aot_eager", sac=True)
     with_sac.partitioner = RecordingPartitioner()
     without_sac = AutoSPBackend(None, compiler="aot_eager", sac=False)
-    assert without_sac.partitioner is None
+    assert without_sac.partitioner.mode == "off"  # reports only, tags nothing
 
     eager = _step(module, None, ids)
     sac = _step(module, with_sac, ids)
@@ -96,6 +96,10 @@ def test_sac_gives_the_same_loss_and_gradients() -> None:
     assert saved == {n for n in tags if _is_attention(n)}  # the attention ops and their outputs only
     assert Counter(policy.name for policy in tags.values()) == with_sac.partitioner.last_counts
     assert with_sac.partitioner.last_counts["PREFER_RECOMPUTE"] > 50
+    # far fewer activation bytes handed to backward than PyTorch's own choice
+    (sac_report,), (plain_report,) = with_sac.sac_reports, without_sac.sac_reports
+    assert sac_report.saved_bytes < plain_report.saved_bytes / 4
+    assert sac_report.recomputed_flops > 0 and plain_report.recomputed_flops == 0
     # only forward nodes are tagged
     assert set(tags) <= set(forward_nodes(joint))
 
@@ -155,3 +159,19 @@ def test_recompute_policy() -> None:
     assert "recompute" not in backward.meta
     assert counts == Counter({"MUST_SAVE": 3, "PREFER_RECOMPUTE": 1})
     assert SequenceAwarePartitioner().uuid() == SequenceAwarePartitioner().uuid()
+
+
+def test_auto_sac_stays_within_its_flop_budget_and_keeps_results() -> None:
+    module, ids = _module(), _ids()
+    auto = AutoSPBackend(None, compiler="aot_eager", sac="auto")
+    plain = AutoSPBackend(None, compiler="aot_eager", sac=False)
+    _assert_same(_step(module, auto, ids), _step(module, plain, ids))
+    (auto_report,), (plain_report,) = auto.sac_reports, plain.sac_reports
+    assert "attention is" in auto_report.reason
+    assert auto_report.recomputed_flops <= 0.1 * auto_report.step_flops
+    assert auto_report.saved_bytes < plain_report.saved_bytes
+
+
+def test_bad_sac_value_is_rejected() -> None:
+    with pytest.raises(ValueError, match="sac='sometimes'"):
+        AutoSPBackend(None, compiler="aot_eager", sac="sometimes")
