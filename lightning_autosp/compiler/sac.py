@@ -171,6 +171,7 @@ class SACReport:
     recomputed_ops: int
     recomputed_flops: int
     step_flops: int
+    backward_collectives: int
     reason: str = ""
 
     def line(self) -> str:
@@ -196,7 +197,10 @@ def summarize_partition(
     recomputed = [n for n in recomputed if n.target is not operator.getitem]
     forward_flops = sum(node_flops(n) for n in forward.graph.nodes if n.op == "call_function")
     recomputed_flops = sum(node_flops(n) for n in recomputed)
-    return SACReport(mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, reason)
+    collectives = sum(1 for n in backward.graph.nodes if n.op == "call_function" and _is_collective(n))
+    return SACReport(
+        mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, collectives, reason
+    )
 
 
 class SequenceAwarePartitioner(CustomPartitionerFn):

@@ -175,3 +175,16 @@ def test_auto_sac_stays_within_its_flop_budget_and_keeps_results() -> None:
 def test_bad_sac_value_is_rejected() -> None:
     with pytest.raises(ValueError, match="sac='sometimes'"):
         AutoSPBackend(None, compiler="aot_eager", sac="sometimes")
+
+
+def test_sac_never_reruns_a_collective_in_backward(gloo_group: str) -> None:
+    """Backward holds the same collectives (the gradients' all-to-alls) with SAC on and off."""
+    module, ids = _module(), _ids()
+    context = SPContext(SequenceShard.balanced(ids.shape[1], 1, 0), gloo_group)
+    counts = {}
+    for sac in (True, False):
+        backend = AutoSPBackend(context, compiler="aot_eager", sac=sac)
+        _step(module, backend, ids)
+        (report,) = backend.sac_reports
+        counts[sac] = report.backward_collectives
+    assert counts[True] == counts[False] == 4 * 2 + 1  # one per forward all-to-all, plus the loss
