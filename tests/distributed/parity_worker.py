@@ -45,6 +45,8 @@ class Case:
 CASES = {
     "llama_gqa": Case(LlamaModule, {"heads": 4, "kv_heads": 2}),
     "llama_1kv": Case(LlamaModule, {"heads": 4, "kv_heads": 1}),
+    "llama_gqa_no_sac": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, strategy_kwargs={"sac": False}),
+    "llama_gqa_auto_sac": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, strategy_kwargs={"sac": "auto"}),
     "gpt_shift": Case(GPTModule),
     "gpt_shift_no_sac": Case(GPTModule, strategy_kwargs={"sac": False}),
     "gpt_triu_mask": Case(GPTModule, {"mask": "triu"}),

@@ -23,6 +23,8 @@ LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 TWO_RANK_CASES = [
     "llama_gqa",
     "llama_1kv",
+    "llama_gqa_no_sac",
+    "llama_gqa_auto_sac",
     "llama_len61",
     "gpt_shift",
     "gpt_shift_no_sac",
