@@ -7,7 +7,11 @@ where the all-to-all runs over NVLink rather than the network.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+from torch.distributed import GroupMember
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 DP, SP = "dp", "sp"
 
@@ -24,7 +28,19 @@ def check_sp_size(world_size: int, sp_size: int) -> None:
         )
 
 
-def build_dp_sp_mesh(device_type: str, world_size: int, sp_size: int) -> DeviceMesh:
-    """A 2-D mesh (dp = world_size / sp_size, sp = sp_size) over all ranks; sp groups are contiguous."""
+def build_dp_sp_mesh(
+    device_type: str, world_size: int, sp_size: int, timeout: timedelta | None = None
+) -> DeviceMesh:
+    """A 2-D mesh (dp = world_size / sp_size, sp = sp_size) over all ranks; sp groups are contiguous.
+
+    ``timeout`` applies to the mesh's sub-groups too: DeviceMesh creates them with torch's default
+    (30 min for gloo), so the peers of a stuck rank would otherwise wait that long.
+    """
     check_sp_size(world_size, sp_size)
-    return init_device_mesh(device_type, (world_size // sp_size, sp_size), mesh_dim_names=(DP, SP))
+    mesh = init_device_mesh(device_type, (world_size // sp_size, sp_size), mesh_dim_names=(DP, SP))
+    if timeout is not None:
+        for dim in (DP, SP):
+            group = mesh.get_group(dim)
+            if group is not GroupMember.WORLD:
+                _set_pg_timeout(timeout, group)
+    return mesh

@@ -10,6 +10,7 @@ DDP (gradients averaged over all ranks; see Note [Loss over sequence shards] in
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
@@ -40,7 +42,8 @@ class AutoSPStrategy(DDPStrategy):
     LightningModule's steps are compiled with a backend that makes attention, positions, masks, the
     causal label shift and the loss exact across the slices. On every rank the loss a step returns is
     the single-device loss of its dp group's batch, and after backward every rank holds the
-    single-device gradients averaged over dp groups, as with DDP.
+    single-device gradients averaged over dp groups, as with DDP. With the environment variable
+    ``AUTOSP_DEBUG=1``, rank 0 logs :meth:`explain` after the first training step of each sequence layout.
 
     Args:
         sp_size: ranks per sequence-parallel group (contiguous ranks). Defaults to the devices per node.
@@ -132,7 +135,9 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        self._device_mesh = build_dp_sp_mesh(self.root_device.type, self.world_size, self.sp_size)
+        self._device_mesh = build_dp_sp_mesh(
+            self.root_device.type, self.world_size, self.sp_size, self._timeout
+        )
 
     @property
     @override
@@ -217,14 +222,23 @@ class AutoSPStrategy(DDPStrategy):
 
         @functools.wraps(step)
         def run(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                # Called from another compiled step (validation_step calling self.training_step):
+                # Dynamo inlines the original step into the caller's graph.
+                return step(*args, **kwargs)
             shard = self.sequence_shard
             backend = self.backend_for(shard)
-            if shard not in compiled:
+            first_call = shard not in compiled
+            if first_call:
                 compiled[shard] = torch.compile(step, backend=backend, dynamic=False)
             skipped = frames_not_compiled()
             output = compiled[shard](*args, **kwargs)
             if shard is not None:
                 _check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped)
+            if first_call and name == "training_step" and os.environ.get("AUTOSP_DEBUG") == "1":
+                rank_zero_info(
+                    f"AutoSP (AUTOSP_DEBUG=1), after the first {name} of this layout:\n{self.explain()}"
+                )
             return output
 
         return run

@@ -89,9 +89,11 @@ class SPContext:
 
     def check_unambiguous(self, other_sizes: set[int], what: str) -> None:
         """Sequence sizes are recognized by value: refuse when another batch dim has the same value."""
-        if self.shard.local_len in other_sizes:
+        # Every rank's shard length is checked, so all ranks refuse alike and none waits in a collective.
+        clashes = sorted(set(self.shard.seq_lens) & other_sizes)
+        if clashes:
             raise ValueError(
-                f"The per-rank sequence length ({self.shard.local_len}) equals another dimension of the "
+                f"The per-rank sequence length ({clashes[0]}) equals another dimension of the "
                 f"batch (sizes {sorted(other_sizes)}), so the SP pass cannot tell which sizes in {what} are "
                 "sequence lengths. Use a batch size that differs from sequence_length / sp_size."
             )
