@@ -26,7 +26,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_autosp.compiler.backend import AutoSPBackend, Compiler, frames_not_compiled
+from lightning_autosp.compiler.backend import (
+    AutoSPBackend,
+    Compiler,
+    active_dispatch_mode,
+    frames_not_compiled,
+)
 from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import SequenceShard, shard_batch
 from lightning_autosp.mesh import SP, build_dp_sp_mesh, check_sp_size
@@ -227,6 +232,13 @@ class AutoSPStrategy(DDPStrategy):
                 # Dynamo inlines the original step into the caller's graph.
                 return step(*args, **kwargs)
             shard = self.sequence_shard
+            mode = active_dispatch_mode()
+            if shard is not None and mode is not None:
+                raise RuntimeError(
+                    f"{name} was called under {type(mode).__name__}, a TorchDispatchMode under which "
+                    "torch.compile runs code eagerly, i.e. without sequence parallelism. Measure outside "
+                    "the step (e.g. MemoryMonitor, torch.cuda.max_memory_allocated) instead."
+                )
             backend = self.backend_for(shard)
             first_call = shard not in compiled
             if first_call:

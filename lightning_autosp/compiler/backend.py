@@ -10,6 +10,7 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_autosp.compiler.sac import SACReport, SequenceAwarePartitioner
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
@@ -77,3 +78,12 @@ def frames_not_compiled() -> int:
     """
     frames = counters["frames"]
     return frames["total"] - frames["ok"]
+
+
+def active_dispatch_mode() -> object | None:
+    """The active ``TorchDispatchMode`` (MemTracker, FlopCounterMode, ...), if any.
+
+    Dynamo runs a compiled function eagerly while one is active, without counting a skipped frame,
+    and keeps that code eager afterwards, so the strategy refuses to run a step under one.
+    """
+    return _get_current_dispatch_mode()

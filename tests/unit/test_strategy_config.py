@@ -191,3 +191,16 @@ def test_batch_to_device_without_sequence_parallelism() -> None:
     ids = torch.arange(22).reshape(2, 11)
     assert torch.equal(s.batch_to_device({"input_ids": ids})["input_ids"], ids)
     assert s.sequence_shard is None
+
+
+def test_a_step_under_a_dispatch_mode_is_refused() -> None:
+    """Dynamo silently runs compiled code eagerly under a TorchDispatchMode: the step must refuse."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_autosp.data import SequenceShard
+
+    strategy = AutoSPStrategy(sp_size=2, compiler="aot_eager")
+    strategy.sequence_shard = SequenceShard.balanced(8, 2, 0)
+    step = strategy._make_compiled_step("training_step", lambda batch: batch.sum())
+    with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="FlopCounterMode"):
+        step(torch.ones(2, 4))
