@@ -1,0 +1,850 @@
+"""Sequence-aware activation checkpointing (SAC) against sequence parallelism without it, 2 CPU ranks.
+
+    python -m benchmarks.sac
+
+(from the repository root) starts ``torchrun --standalone --nproc_per_node=2 -m benchmarks.sac`` itself;
+running that torchrun command directly does the same. Rank 0 writes ``benchmarks/results/sac.json`` (every
+raw figure, the command, the machine) and ``benchmarks/results/sac.md`` (a table generated from the JSON;
+``--render`` regenerates it from the JSON alone). Options: ``--models gpt llama``, ``--seq-lens 1024 2048
+4096``, ``--methods sp sac ds_sac``, ``--compiler inductor`` (the real figures) or ``aot_eager`` (same
+passes and partitioning, no code generation: a fast smoke run), ``--repeats``, ``--debug`` (print the
+saved activations of every graph by producing op, and what the partitioner recomputes).
+
+Methods, all on the same sequence-parallel graph (``AutoSPBackend`` with the SP pass, sp=2, gloo):
+
+* ``sp``: ``AutoSPBackend(sac=False)``, PyTorch's default min-cut partitioner.
+* ``sac``: ``AutoSPBackend(sac=True)``, ``lightning_autosp/compiler/sac.py``.
+* ``ds_sac``: ``AutoSPBackend(sac=False)`` compiled while DeepSpeed's SAC is in place: DeepSpeed's
+  ``init_autosp`` calls ``register_long_context_checkpointing()``
+  (``deepspeed/compile/passes/long_context_checkpointing.py``), which ``exec``s a copy of torch's
+  ``solve_min_cut`` with its own ``should_ban_recomputation`` into ``torch._functorch.partitioners``,
+  for the whole process. Here it is applied for the first step of that one compiled function only (the
+  partitioner runs when the forward compiles) and the original ``solve_min_cut`` is put back after.
+
+Per (model, seq_len, method) and rank, after two warm-up steps:
+
+* saved for backward: bytes of the distinct storages of the tensors packed by
+  ``torch.autograd.graph.saved_tensors_hooks`` during the forward of the compiled step, parameters
+  excluded. AOTAutograd's ``CompiledFunction`` saves its activations with ``ctx.save_for_backward``, which
+  the hook sees; the script checks that per step (hooked tensors == ``grad_fn.saved_tensors`` of every
+  ``CompiledFunctionBackward`` node, and no tensors in ``ctx._tensors_no_vc_check``, which bypass the hook;
+  those would be added to the count) and compares with the partitioner's own estimate
+  (``AOT_PARTITIONER_DEBUG``'s "Theoretical Per Activation Storage Sizes", kept per graph in the JSON).
+* peak: the high-water mark of the bytes the c10 CPU allocator handed out during one step (forward and
+  backward, gradients included, set to None before) and still held, from the profiler's allocation
+  events (``profile_memory=True``), least of 3 steps (see ``allocator_peak``); this covers the buffers
+  Inductor's generated code allocates in C++. Also the process RSS high-water mark above the RSS at the
+  step's start (``/proc/self/clear_refs`` reset, after ``malloc_trim``): coarse.
+  ``torch.distributed._tools.mem_tracker.MemTracker`` is not usable here: it is a ``TorchDispatchMode``,
+  and Dynamo skips frames while one is active (``convert_frame.py``, ``should_skip_for_dispatch_mode``),
+  so under it the step runs eagerly, without the SP pass, and keeps doing so afterwards until
+  ``torch._dynamo.reset()``; the JSON records that check (``memtracker_check``).
+* step time: forward + backward, median over ``--repeats`` steps with the methods alternating (order rotated
+  every repeat), ranks started together by a barrier; also the median of the per-repeat ratios to the
+  ``sp`` step of the same repeat, which holds up better when other work loads the machine.
+* parity: loss and gradients of one step against ``sp`` (max over parameters of max|a-b| / max|b|), and
+  the rank-averaged gradients against one eager single-process step on the whole sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import logging
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+METHODS = ("sp", "sac", "ds_sac")
+MODELS = ("gpt", "llama")
+VOCAB = 256
+MiB = 2**20
+_BACKWARD_MARK = "benchmarks.sac:backward"
+TARGET = {"model": "gpt", "seq_len": 4096, "saved_ratio": 0.25, "time_ratio": 1.10}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048, 4096])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks, all in one sp group")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--out", type=Path, default=RESULTS / "sac.json")
+    parser.add_argument("--debug", action="store_true", help="print saved activations per graph by op")
+    parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
+    args = parser.parse_args(argv)
+    if "sp" not in args.methods:
+        args.methods.insert(0, "sp")  # the reference of every ratio and parity figure
+    return args
+
+
+# --------------------------------------------------------------------------------------------------
+# launcher
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    command = "python -m benchmarks.sac" + (" " + shlex.join(argv) if argv else "")
+    nproc = f"--nproc-per-node={args.nproc}"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
+    env = {**os.environ, "AUTOSP_BENCH_COMMAND": command, "OMP_NUM_THREADS": str(args.threads)}
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    start = time.perf_counter()
+    rc = subprocess.run([*torchrun, "-m", "benchmarks.sac", *argv], cwd=ROOT, env=env).returncode
+    wall = time.perf_counter() - start
+    print(f"\n{command}: exit code {rc}, {wall:.0f} s wall time", flush=True)
+    if rc == 0 and args.out.exists():
+        report = json.loads(args.out.read_text())
+        report["wall_s_launcher"] = round(wall, 1)
+        write_report(report, args.out)
+    return rc
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+
+
+def build_model(name: str, max_len: int) -> tuple[Any, Callable[[dict], Any], dict]:
+    """The model, its loss step (batch -> scalar loss) and a description for the JSON."""
+    import torch
+    import torch.nn.functional as F
+
+    from examples.models import LlamaModule, TinyGPT
+
+    torch.manual_seed(0)
+    if name == "gpt":
+        config = dict(vocab_size=VOCAB, block_size=max_len, n_layer=2, n_head=8, n_embd=128)
+        model = TinyGPT(**config)
+
+        def loss_step(batch: dict) -> Any:
+            ids = batch["input_ids"]
+            logits = model(ids)
+            return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+        return model, loss_step, {"class": "examples.models.TinyGPT", **config}
+    config = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+    )
+    model = LlamaModule(**config).model  # a transformers LlamaForCausalLM, attn_implementation="sdpa"
+
+    def loss_step(batch: dict) -> Any:
+        return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    return model, loss_step, {"class": "transformers.LlamaForCausalLM", **config}
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed's SAC and the partitioner's own account of what it saves
+
+
+def deepspeed_status() -> dict:
+    """Whether DeepSpeed's SAC splice applies to this torch; the reason when it does not."""
+    try:
+        import deepspeed
+        import torch._functorch.partitioners as partitioners
+        from deepspeed.compile.passes import long_context_checkpointing as lcc
+    except Exception as error:  # any import failure means: not measurable here, and why
+        return {"available": False, "reason": f"import failed: {type(error).__name__}: {error}"}
+    status = {"deepspeed": deepspeed.__version__, "source": lcc.__file__}
+    original = partitioners.solve_min_cut
+    try:
+        lcc.register_long_context_checkpointing()
+        replaced = partitioners.solve_min_cut is not original
+    except Exception as error:
+        return {**status, "available": False, "reason": f"splice failed: {type(error).__name__}: {error}"}
+    finally:
+        partitioners.solve_min_cut = original
+    if not replaced:
+        reason = "register_long_context_checkpointing() left solve_min_cut as it was"
+        return {**status, "available": False, "reason": reason}
+    return {**status, "available": True}
+
+
+@contextlib.contextmanager
+def deepspeed_sac() -> Iterator[None]:
+    """DeepSpeed's ``solve_min_cut`` (sequence-aware ``should_ban_recomputation``) for one compile."""
+    import torch._functorch.partitioners as partitioners
+    from deepspeed.compile.passes.long_context_checkpointing import register_long_context_checkpointing
+
+    original = partitioners.solve_min_cut
+    register_long_context_checkpointing()
+    try:
+        yield
+    finally:
+        partitioners.solve_min_cut = original
+
+
+class PartitionerLog(logging.Handler):
+    """Records of torch's min-cut partitioner under ``AOT_PARTITIONER_DEBUG``, one dict per graph."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.graphs: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = str(record.msg)
+        if message.startswith("Theoretical Per Activation Storage Sizes"):
+            self.graphs.append({"saved": [[int(size), str(name)] for size, name in record.args[0]]})
+        elif message.startswith("# remat/fw/bw") and self.graphs:
+            self.graphs[-1]["remat_fw_bw"] = [int(n) for n in record.args]
+        elif message.startswith("Count of Ops Rematerialized") and self.graphs:
+            self.graphs[-1]["rematerialized_ops"] = {str(op): int(n) for op, n in record.args[0]}
+
+
+@contextlib.contextmanager
+def partitioner_log() -> Iterator[PartitionerLog]:
+    import torch._functorch.partitioners as partitioners
+
+    logger = logging.getLogger(partitioners.__name__)
+    handler = PartitionerLog()
+    saved = partitioners.AOT_PARTITIONER_DEBUG, logger.level, logger.propagate
+    partitioners.AOT_PARTITIONER_DEBUG = True
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        partitioners.AOT_PARTITIONER_DEBUG, _, logger.propagate = saved
+        logger.setLevel(saved[1])
+
+
+def _op_of(name: str) -> str:
+    """fx node name -> the op it was named after (``mm_3`` -> ``mm``)."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def summarize_partition(graph: dict) -> dict:
+    """What the partitioner saved (by producing op, primals apart) and what it recomputes in backward."""
+    saved = [(size, name) for size, name in graph["saved"] if not name.startswith("primals")]
+    by_op: Counter = Counter()
+    for size, name in saved:
+        by_op[_op_of(name)] += size
+    remat = graph.get("rematerialized_ops", {})
+    return {
+        "estimated_saved_bytes": sum(size for size, _ in saved),
+        "saved_values": len(saved),
+        "saved_primals": len(graph["saved"]) - len(saved),
+        "saved_bytes_by_op": dict(by_op.most_common()),
+        "saved": saved,
+        "remat_fw_bw": graph.get("remat_fw_bw"),
+        "rematerialized_ops": remat,
+        "recomputed_attention": sum(n for op, n in remat.items() if "scaled_dot_product" in op),
+        "recomputed_collectives": sum(
+            n for op, n in remat.items() if op.startswith(("autosp.", "_c10d_functional."))
+        ),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# measurements (every rank runs the same calls in the same order: the steps talk to each other)
+
+
+def train_step(fn: Callable, batch: dict, model: Any) -> Any:
+    model.zero_grad(set_to_none=True)
+    loss = fn(batch)
+    loss.backward()
+    return loss
+
+
+def _compiled_nodes(loss: Any) -> list:
+    """Every ``CompiledFunctionBackward`` node of the autograd graph behind ``loss``."""
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            found.append(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def saved_for_backward(fn: Callable, batch: dict, model: Any) -> dict:
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    packed: list = []
+
+    def pack(tensor: Any) -> Any:
+        packed.append(tensor)
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = fn(batch)
+    nodes = _compiled_nodes(loss)
+    ctx_saved = [t for node in nodes for t in node.saved_tensors]
+    unhooked = [t for node in nodes for t in getattr(node, "_tensors_no_vc_check", ())]
+
+    def storages(tensors: list) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    hooked = storages(packed)
+    activations = {ptr: size for ptr, size in {**hooked, **storages(unhooked)}.items() if ptr not in params}
+    result = {
+        "saved_bytes": sum(activations.values()),
+        "saved_storages": len(activations),
+        "saved_tensors": len(packed) + len(unhooked),
+        "parameter_tensors_saved": sum(ptr in params for ptr in hooked),
+        "hook_check": {
+            "loss_grad_fn": type(loss.grad_fn).__name__,
+            "compiled_nodes": len(nodes),
+            "hooked_tensors": len(packed),
+            "ctx_saved_tensors": len(ctx_saved),
+            "tensors_saved_outside_hook": len(unhooked),
+            "same_storages": set(hooked) == set(storages(ctx_saved)),
+        },
+    }
+    result["hook_check"]["ok"] = bool(
+        nodes and len(packed) == len(ctx_saved) and not unhooked and result["hook_check"]["same_storages"]
+    )
+    loss.backward()
+    return result
+
+
+def allocator_peak(fn: Callable, batch: dict, model: Any, steps: int = 3) -> dict:
+    """High-water mark of the bytes allocated during one step and still held, the least of ``steps``.
+
+    Allocation and free events of the c10 CPU allocator are matched by address; blocks allocated
+    before the step are left out (so are their frees). A tensor whose
+    last reference goes away on a gloo worker thread is freed without a recorded event (the profiler
+    records on the threads it runs on), so a single step can over-count by a few MiB; hence the
+    least of several steps, and an address that is allocated again counts as freed.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runs = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = fn(batch)
+            with record_function(_BACKWARD_MARK):
+                loss.backward()
+        events, backward_start, stack = [], None, list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+                events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
+            elif event.name == _BACKWARD_MARK:
+                backward_start = event.start_time_ns
+            stack.extend(event.children)
+        live: dict[int, int] = {}
+        held = peak = end_of_forward = 0
+        for when, size, ptr in sorted(events):
+            held -= live.pop(ptr, 0)
+            if size > 0:
+                live[ptr] = size
+                held += size
+            peak = max(peak, held)
+            if backward_start is None or when < backward_start:
+                end_of_forward = held
+        runs.append({"alloc_peak_bytes": peak, "alloc_end_of_forward_bytes": end_of_forward})
+    best = min(runs, key=lambda run: run["alloc_peak_bytes"])
+    return {**best, "alloc_peak_bytes_all_steps": [run["alloc_peak_bytes"] for run in runs]}
+
+
+def _status_bytes(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else -1
+
+
+def rss_peak(fn: Callable, batch: dict, model: Any) -> dict:
+    """Process RSS high-water mark during one step, above the RSS at its start (Linux only).
+
+    Freed heap memory is handed back to the OS first (glibc ``malloc_trim``), so that the step's
+    allocations show as RSS growth instead of reusing memory the process already holds.
+    """
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = _status_bytes("VmRSS")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        train_step(fn, batch, model)
+        return {"rss_peak_delta_bytes": None}
+    train_step(fn, batch, model)
+    return {"rss_peak_delta_bytes": _status_bytes("VmHWM") - before}
+
+
+def memtracker_check(fn: Callable, batch: dict) -> dict:
+    """Does the compiled step still run compiled under MemTracker? (No: Dynamo skips frames under modes.)"""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with MemTracker():
+        under = type(fn(batch).grad_fn).__name__
+    after = type(fn(batch).grad_fn).__name__
+    return {
+        "loss_grad_fn_under_memtracker": under,
+        "loss_grad_fn_after_memtracker": after,
+        "ran_compiled": under == "CompiledFunctionBackward",
+    }
+
+
+def rel_err(a: Any, b: Any) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def current_grads(model: Any) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_rel_err(grads: dict, reference: dict) -> float:
+    return max(rel_err(grads[name], reference[name]) for name in reference)
+
+
+# --------------------------------------------------------------------------------------------------
+# worker
+
+
+def run_config(args, model, loss_step, seq_len: int, methods: list[str], checks: dict) -> dict:
+    """Every measurement of one (model, seq_len) on this rank, per method."""
+    import torch
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from lightning_autosp.compiler.backend import AutoSPBackend
+    from lightning_autosp.compiler.sp_pass import SPContext
+    from lightning_autosp.data import shard_batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(seq_len)
+    ids = torch.randint(0, VOCAB, (args.batch_size, seq_len), generator=generator)
+    batch, shard = shard_batch({"input_ids": ids}, world=world, rank=rank)
+    context = SPContext(shard, dist.group.WORLD.group_name)
+
+    torch._dynamo.reset()
+    out: dict[str, dict] = {}
+    fns, backends = {}, {}
+    for method in methods:
+        backend = AutoSPBackend(context, compiler=args.compiler, sac=method == "sac")
+        fn = torch.compile(loss_step, backend=backend, dynamic=False)
+        swap = deepspeed_sac() if method == "ds_sac" else contextlib.nullcontext()
+        start = time.perf_counter()
+        with partitioner_log() as log, swap:
+            train_step(fn, batch, model)
+        compile_s = time.perf_counter() - start
+        fns[method], backends[method] = fn, backend
+        out[method] = {
+            "compile_s": compile_s,
+            "graphs": len(backend.reports),
+            "attention": backend.attention_count,
+            "all_to_alls": sum(report.all_to_alls for report in backend.reports),
+            "partitions": [summarize_partition(graph) for graph in log.graphs],
+            "sp_pass": [line for report in backend.reports for line in report.lines()],
+        }
+    graphs_compiled = counters["stats"]["unique_graphs"]
+    for method in methods:  # a second warm-up step
+        train_step(fns[method], batch, model)
+
+    # parity: one step each, against sp and against eager on the whole sequence
+    grads, losses = {}, {}
+    for method in methods:
+        losses[method] = train_step(fns[method], batch, model).detach()
+        grads[method] = current_grads(model)
+    eager_loss = train_step(loss_step, {"input_ids": ids}, model).detach()
+    eager_grads = current_grads(model)
+    for method in methods:
+        averaged = {}
+        for name, grad in grads[method].items():
+            averaged[name] = grad.clone()
+            dist.all_reduce(averaged[name])
+            averaged[name] /= world
+        out[method].update(
+            loss=losses[method].item(),
+            loss_rel_err_vs_sp=rel_err(losses[method], losses["sp"]),
+            grad_rel_err_vs_sp=grad_rel_err(grads[method], grads["sp"]),
+            loss_rel_err_vs_eager=rel_err(losses[method], eager_loss),
+            grad_rel_err_vs_eager=grad_rel_err(averaged, eager_grads),
+        )
+
+    for method in methods:
+        out[method].update(saved_for_backward(fns[method], batch, model))
+    for method in methods:
+        out[method].update(allocator_peak(fns[method], batch, model))
+    for method in methods:
+        out[method].update(rss_peak(fns[method], batch, model))
+
+    times: dict[str, list[float]] = {method: [] for method in methods}
+    for repeat in range(args.repeats):
+        for method in methods[repeat % len(methods) :] + methods[: repeat % len(methods)]:
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            start = time.perf_counter()
+            fns[method](batch).backward()
+            times[method].append(time.perf_counter() - start)
+    for method in methods:
+        out[method].update(
+            step_times_s=times[method],
+            median_step_s=statistics.median(times[method]),
+            min_step_s=min(times[method]),
+            # per repeat, against the sp step of the same repeat: robust to the machine's load drifting
+            paired_time_ratio_vs_sp=statistics.median(t / ref for t, ref in zip(times[method], times["sp"])),
+        )
+
+    recompiled = counters["stats"]["unique_graphs"] - graphs_compiled
+    for method in methods:
+        out[method]["recompiled_during_measurement"] = bool(recompiled) or (
+            len(backends[method].reports) != out[method]["graphs"]
+        )
+    if "memtracker" not in checks:  # last: it leaves the step's code running eagerly until a Dynamo reset
+        checks["memtracker"] = memtracker_check(fns["sp"], batch)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    import torch
+    import torch.distributed as dist
+
+    # Compile for real every time: the AOTAutograd/FX caches key on the graph and config, not on a
+    # solve_min_cut swapped in by DeepSpeed, so ds_sac would get sp's cached partition.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.compile_threads = 1  # no compile worker pool competing with the ranks
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+    rank = dist.get_rank()
+    say = print if rank == 0 else lambda *a, **k: None
+
+    methods = list(args.methods)
+    deepspeed = deepspeed_status() if "ds_sac" in methods else {"available": False, "reason": "not requested"}
+    if "ds_sac" in methods and not deepspeed["available"]:
+        methods.remove("ds_sac")
+        say(f"ds_sac skipped: {deepspeed['reason']}", flush=True)
+
+    checks: dict = {}
+    per_rank: list[dict] = []
+    models: dict[str, dict] = {}
+    for model_name in args.models:
+        model, loss_step, description = build_model(model_name, max(args.seq_lens))
+        models[model_name] = description
+        for seq_len in args.seq_lens:
+            figures = run_config(args, model, loss_step, seq_len, methods, checks)
+            per_rank.append({"model": model_name, "seq_len": seq_len, "methods": figures})
+            say(
+                f"[{time.perf_counter() - start:6.0f} s] {model_name} seq {seq_len}: "
+                + ", ".join(
+                    f"{m} {f['saved_bytes'] / MiB:.2f} MiB {f['median_step_s'] * 1e3:.0f} ms"
+                    for m, f in figures.items()
+                ),
+                flush=True,
+            )
+            if args.debug and rank == 0:
+                print_debug(model_name, seq_len, figures)
+
+    gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    mine = {"rank": rank, "threads": torch.get_num_threads(), "configs": per_rank}
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0:
+        report = assemble(args, gathered, methods, models, deepspeed, checks, time.perf_counter() - start)
+        report["machine"]["loadavg_at_start"] = load_at_start
+        write_report(report, args.out)
+        print(render_markdown(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def print_debug(model_name: str, seq_len: int, figures: dict) -> None:
+    for method, fig in figures.items():
+        for index, part in enumerate(fig["partitions"]):
+            print(
+                f"  {model_name} {seq_len} {method} graph {index}: partitioner saves "
+                f"{part['estimated_saved_bytes'] / MiB:.2f} MiB in {part['saved_values']} values "
+                f"(+{part['saved_primals']} primals); hook saw {fig['saved_bytes'] / MiB:.2f} MiB; "
+                f"remat/fw/bw {part['remat_fw_bw']}"
+            )
+            for op, size in part["saved_bytes_by_op"].items():
+                names = [name for _, name in part["saved"] if _op_of(name) == op]
+                print(f"    {size / MiB:8.3f} MiB  {op:<48} {' '.join(names)}")
+            if part["rematerialized_ops"]:
+                print(f"    recomputed in backward: {part['rematerialized_ops']}")
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+
+
+def machine_info() -> dict:
+    import lightning
+    import psutil
+    import torch
+    import transformers
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "transformers": transformers.__version__,
+        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        info["deepspeed"] = version("deepspeed")
+    return info
+
+
+def assemble(args, gathered, methods, models, deepspeed, checks, elapsed) -> dict:
+    ranks = sorted(gathered, key=lambda r: r["rank"])
+    results = []
+    for index, config in enumerate(ranks[0]["configs"]):
+        for method in methods:
+            per_rank = [r["configs"][index]["methods"][method] for r in ranks]
+            sp = [r["configs"][index]["methods"]["sp"] for r in ranks]
+            saved = max(f["saved_bytes"] for f in per_rank)
+            step = max(f["median_step_s"] for f in per_rank)
+            results.append(
+                {
+                    "model": config["model"],
+                    "seq_len": config["seq_len"],
+                    "method": method,
+                    "saved_bytes_per_rank": saved,
+                    "saved_ratio_vs_sp": saved / max(f["saved_bytes"] for f in sp),
+                    "median_step_s": step,
+                    "time_ratio_vs_sp": step / max(f["median_step_s"] for f in sp),
+                    "paired_time_ratio_vs_sp": max(f["paired_time_ratio_vs_sp"] for f in per_rank),
+                    "min_step_s": max(f["min_step_s"] for f in per_rank),
+                    "alloc_peak_bytes": max(f["alloc_peak_bytes"] for f in per_rank),
+                    "alloc_peak_ratio_vs_sp": max(f["alloc_peak_bytes"] for f in per_rank)
+                    / max(f["alloc_peak_bytes"] for f in sp),
+                    "alloc_end_of_forward_bytes": max(f["alloc_end_of_forward_bytes"] for f in per_rank),
+                    "rss_peak_delta_bytes": max((f["rss_peak_delta_bytes"] or 0) for f in per_rank),
+                    "loss_rel_err_vs_sp": max(f["loss_rel_err_vs_sp"] for f in per_rank),
+                    "grad_rel_err_vs_sp": max(f["grad_rel_err_vs_sp"] for f in per_rank),
+                    "loss_rel_err_vs_eager": max(f["loss_rel_err_vs_eager"] for f in per_rank),
+                    "grad_rel_err_vs_eager": max(f["grad_rel_err_vs_eager"] for f in per_rank),
+                    "hook_check_ok": all(f["hook_check"]["ok"] for f in per_rank),
+                    "recompiled_during_measurement": any(
+                        f["recompiled_during_measurement"] for f in per_rank
+                    ),
+                    "per_rank": per_rank,
+                }
+            )
+    return {
+        "command": os.environ.get("AUTOSP_BENCH_COMMAND")
+        or shlex.join(["torchrun", f"--nproc-per-node={len(ranks)}", "-m", "benchmarks.sac", *sys.argv[1:]]),
+        "machine": machine_info(),
+        "settings": {
+            "ranks": len(ranks),
+            "sp_size": len(ranks),
+            "backend": "gloo",
+            "compiler": args.compiler,
+            "batch_size": args.batch_size,
+            "dtype": "float32",
+            "repeats": args.repeats,
+            "torch_threads_per_rank": [r["threads"] for r in ranks],
+            "methods": methods,
+            "models": models,
+        },
+        "deepspeed_sac": deepspeed,
+        "memtracker_check": checks.get("memtracker"),
+        "target": TARGET,
+        "wall_s_worker": round(elapsed, 1),
+        "results": results,
+    }
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render_markdown(report))
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / MiB:.2f}"
+
+
+def _recomputed(r: dict) -> str:
+    parts = [part for f in r["per_rank"] for part in f["partitions"]]
+    attention = max((part["recomputed_attention"] for part in parts), default="?")
+    collectives = max((part["recomputed_collectives"] for part in parts), default="?")
+    return f"{attention} / {collectives}"
+
+
+def _method(r: dict) -> str:
+    flags = ("" if r["hook_check_ok"] else " (hook check failed)") + (
+        " (recompiled!)" if r["recompiled_during_measurement"] else ""
+    )
+    return r["method"] + flags
+
+
+# (header, right-aligned, cell)
+COLUMNS: list[tuple[str, bool, Callable[[dict], str]]] = [
+    ("model", False, lambda r: r["model"]),
+    ("seq", True, lambda r: str(r["seq_len"])),
+    ("method", False, _method),
+    ("saved for bw MiB/rank", True, lambda r: _mib(r["saved_bytes_per_rank"])),
+    ("vs sp", True, lambda r: f"{r['saved_ratio_vs_sp']:.2f}x"),
+    ("step ms (min)", True, lambda r: f"{r['median_step_s'] * 1e3:.0f} ({r['min_step_s'] * 1e3:.0f})"),
+    (
+        "vs sp (paired)",
+        True,
+        lambda r: f"{r['time_ratio_vs_sp']:.2f}x ({r['paired_time_ratio_vs_sp']:.2f}x)",
+    ),
+    ("peak MiB", True, lambda r: _mib(r["alloc_peak_bytes"])),
+    ("vs sp", True, lambda r: f"{r['alloc_peak_ratio_vs_sp']:.2f}x"),
+    ("live after fw MiB", True, lambda r: _mib(r["alloc_end_of_forward_bytes"])),
+    ("peak RSS Δ MiB", True, lambda r: _mib(r["rss_peak_delta_bytes"])),
+    (
+        "parity vs sp (loss / grad)",
+        False,
+        lambda r: f"{r['loss_rel_err_vs_sp']:.1e} / {r['grad_rel_err_vs_sp']:.1e}",
+    ),
+    (
+        "vs eager (loss / grad)",
+        False,
+        lambda r: f"{r['loss_rel_err_vs_eager']:.1e} / {r['grad_rel_err_vs_eager']:.1e}",
+    ),
+    ("recomputed attn / coll", False, _recomputed),
+]
+
+NOTES = [
+    "saved for bw: distinct storages packed by `saved_tensors_hooks` during the compiled step's forward, "
+    "parameters excluded; max over ranks. The hook sees AOTAutograd's `ctx.save_for_backward`; every "
+    "row is checked against `grad_fn.saved_tensors` of the `CompiledFunctionBackward` node (rows that "
+    "fail are marked).",
+    "step ms: median (min) of forward+backward over the alternating repeats, max over ranks. vs sp: "
+    "ratio of the medians, and in brackets the median of the per-repeat ratios (each step against the "
+    "sp step of the same repeat: robust to the machine's load drifting during the run).",
+    "peak: high-water mark of the bytes the c10 CPU allocator handed out during one step (forward + "
+    "backward, gradients included) and still held, from the profiler's allocation events; least of 3 "
+    "steps, as frees on gloo's threads go unrecorded. live after fw: those bytes when the forward "
+    "returns. peak RSS Δ: process VmHWM above VmRSS at the step's start, after `malloc_trim` (coarse: "
+    "malloc arenas, gloo buffers).",
+    "parity: max relative error (max|a-b| / max|b|) of the loss and of every parameter's gradient, per "
+    "rank, against `sp`; vs eager: rank-averaged gradients against one single-process eager step on "
+    "the whole sequence. recomputed attn / coll: attention ops and collectives the partitioner "
+    "recomputes in backward (`AOT_PARTITIONER_DEBUG`'s count of rematerialized ops).",
+]
+
+
+def render_markdown(report: dict) -> str:
+    settings, machine = report["settings"], report["machine"]
+    wall = f"worker wall time {report['wall_s_worker']:.0f} s"
+    if "wall_s_launcher" in report:
+        wall += f", launcher {report['wall_s_launcher']:.0f} s"
+    lines = [
+        "# Sequence-aware activation checkpointing (SAC) vs SP without SAC",
+        "",
+        "Generated by `benchmarks/sac.py` from the JSON file of the same name. "
+        f"Command: `{report['command']}`  ",
+        f"{settings['ranks']} ranks (sp={settings['sp_size']}, {settings['backend']}, CPU), compiler "
+        f"`{settings['compiler']}`, batch {settings['batch_size']}, {settings['dtype']}, "
+        f"{settings['torch_threads_per_rank'][0]} torch thread(s) per rank, {settings['repeats']} timed "
+        f"repeats; {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']}; {wall}; "
+        f"load average {machine.get('loadavg_at_start')} at start, {machine.get('loadavg_at_end')} at end.",
+        "",
+        "| " + " | ".join(header for header, _, _ in COLUMNS) + " |",
+        "|" + "|".join("---:" if right else "---" for _, right, _ in COLUMNS) + "|",
+    ]
+    lines += ["| " + " | ".join(cell(r) for _, _, cell in COLUMNS) + " |" for r in report["results"]]
+
+    target = report["target"]
+    lines.append("")
+    for r in report["results"]:
+        if (r["model"], r["seq_len"], r["method"]) != (target["model"], target["seq_len"], "sac"):
+            continue
+        saved_ok = r["saved_ratio_vs_sp"] <= target["saved_ratio"]
+        time_ok = max(r["time_ratio_vs_sp"], r["paired_time_ratio_vs_sp"]) <= target["time_ratio"]
+        lines.append(
+            f"Target ({target['model']}, seq {target['seq_len']}, sp={settings['sp_size']}: SAC <= "
+            f"{target['saved_ratio']}x the saved bytes for <= {target['time_ratio']}x the step time): saved "
+            f"{r['saved_ratio_vs_sp']:.2f}x ({'met' if saved_ok else 'not met'}), time "
+            f"{r['time_ratio_vs_sp']:.2f}x median / {r['paired_time_ratio_vs_sp']:.2f}x paired "
+            f"({'met' if time_ok else 'not met'}): **{'met' if saved_ok and time_ok else 'not met'}**."
+        )
+
+    rows = [
+        r for r in report["results"] if (r["model"], r["seq_len"]) == (target["model"], target["seq_len"])
+    ]
+    if rows:
+        lines += [
+            "",
+            f"What the partitioner saves at {target['model']} seq {target['seq_len']} (rank 0, MiB, by the "
+            "op that produced each saved value, from `AOT_PARTITIONER_DEBUG`):",
+            "",
+        ]
+        for r in rows:
+            for part in r["per_rank"][0]["partitions"]:
+                by_op = ", ".join(f"{op} {size / MiB:.2f}" for op, size in part["saved_bytes_by_op"].items())
+                lines.append(f"- {r['method']}: {by_op}")
+
+    notes = list(NOTES)
+    mt = report.get("memtracker_check")
+    if mt:
+        notes.append(
+            "MemTracker is not used: under it the compiled step's loss had grad_fn "
+            f"`{mt['loss_grad_fn_under_memtracker']}`, and `{mt['loss_grad_fn_after_memtracker']}` after "
+            "it: Dynamo skips frames while a TorchDispatchMode is active, and keeps running that code "
+            "eagerly (no SP pass) until `torch._dynamo.reset()`."
+        )
+    ds = report["deepspeed_sac"]
+    if ds.get("available"):
+        notes.append(
+            f"ds_sac: DeepSpeed {ds.get('deepspeed')}'s `register_long_context_checkpointing()` splice of "
+            "`torch._functorch.partitioners.solve_min_cut`, in place for that method's compile only, on "
+            "the same SP graph (untagged). Its ban list names CUDA attention ops, not "
+            "`_scaled_dot_product_flash_attention_for_cpu`, and it lets every op outside torch's "
+            "recomputable allowlist be recomputed (matmuls, but also CPU attention and the autosp "
+            "collectives): on CPU it recomputes attention and all-to-alls in backward."
+        )
+    else:
+        notes.append(f"ds_sac not measured: {ds.get('reason')}")
+    lines += ["", "Notes:", ""] + [f"- {note}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.render:
+        write_report(json.loads(args.out.read_text()), args.out)
+        print(args.out.with_suffix(".md").read_text())
+        return 0
+    if "LOCAL_RANK" not in os.environ:
+        return launch(args, argv)
+    sys.path.insert(0, str(ROOT))
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
