@@ -114,22 +114,15 @@ def find_flash_attention(gm: fx.GraphModule) -> list[fx.Node]:
     return [node for node in gm.graph.nodes if is_flash_attention(node)]
 
 
-def find_manual_attention(gm: fx.GraphModule) -> list[fx.Node]:
-    """Softmax nodes whose input is a product of two sequence-long operands: hand-written attention."""
+def find_manual_attention(gm: fx.GraphModule, seq_len: int) -> list[fx.Node]:
+    """Softmax over a [..., seq_len, seq_len] score matrix: attention written by hand."""
     found = []
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method") and getattr(node.target, "__name__", node.target) in (
-            "softmax",
-            "_softmax",
-        ):
-            value = example_value(node)
-            if (
-                value is not None
-                and value.dim() >= 2
-                and value.shape[-1] == value.shape[-2]
-                and value.shape[-1] > 1
-            ):
-                found.append(node)
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        value = example_value(node)
+        is_square = value is not None and value.dim() >= 2 and tuple(value.shape[-2:]) == (seq_len, seq_len)
+        if name in ("softmax", "_softmax") and is_square:
+            found.append(node)
     return found
 
 

@@ -37,6 +37,7 @@ from lightning_autosp.compiler.analysis import (
     example_value,
     find_attention,
     find_flash_attention,
+    find_manual_attention,
     find_sharded_inputs,
     index_position,
     is_cross_entropy,
@@ -116,6 +117,13 @@ def sequence_parallel_pass(
     sharded = find_sharded_inputs(gm, example_inputs, ctx.shard, ctx.seq_dim)
     layouts, derived = propagate_sequence_layout(gm, sharded)
     other_sizes = non_sequence_sizes(sharded)
+    manual = [n.name for n in find_manual_attention(gm, ctx.shard.local_len) if n in derived]
+    if manual:
+        raise NotImplementedError(
+            f"Hand-written attention (softmax over a [.., S_r, S_r] score matrix at {', '.join(manual)}) "
+            "would only see this rank's tokens. Compute attention with "
+            "torch.nn.functional.scaled_dot_product_attention so the SP pass can rewrite it."
+        )
     globalize_split_masks_pass(gm, example_inputs, ctx, report, derived=derived)
     insert_all_to_all_pass(gm, ctx, report, derived=derived, other_sizes=other_sizes)
     gm.graph.eliminate_dead_code()  # the per-rank masks replaced by global ones

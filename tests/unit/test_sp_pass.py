@@ -436,3 +436,17 @@ def test_unreduced_loss_is_rejected() -> None:
     captured = capture(loss, torch.randn(B, 12, 7), torch.zeros(B, 12, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="reduction='none'"):
         sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+
+
+def test_hand_written_attention_is_refused() -> None:
+    """softmax(QK^T)V over a shard sees only the shard's tokens: refuse, and name SDPA as the fix."""
+
+    def step(x):
+        q = k = v = x.unsqueeze(1)  # (B, 1, T, C)
+        scores = (q @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, 1, T, T)
+        return (scores @ v).sum()
+
+    shard = SequenceShard.balanced(24, 2, 0)
+    captured = capture(step, torch.randn(B, shard.local_len, 8))
+    with pytest.raises(NotImplementedError, match="scaled_dot_product_attention"):
+        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
