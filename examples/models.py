@@ -13,7 +13,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics.text import Perplexity
+from torchmetrics import MeanMetric
 
 __all__ = ["GPTModule", "LlamaModule", "TinyGPT"]
 
@@ -113,7 +113,11 @@ def _shifted_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class GPTModule(L.LightningModule):
-    """Next-token training of :class:`TinyGPT`, logging ``train_loss``, ``val_loss`` and ``val_ppl``."""
+    """Next-token training of :class:`TinyGPT`, logging ``train_loss``, ``val_loss`` and ``val_ppl``.
+
+    ``val_ppl`` is ``exp`` of the mean ``val_loss`` over the validation batches: the perplexity when every
+    batch has the same number of supervised tokens (fixed-length batches, as in the examples' data).
+    """
 
     def __init__(
         self,
@@ -128,7 +132,7 @@ class GPTModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = TinyGPT(vocab_size, block_size, n_layer, n_head, n_embd)
-        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self.val_loss_mean = MeanMetric()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -143,12 +147,21 @@ class GPTModule(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits = self.model(batch["input_ids"])
-        targets = _shifted_targets(batch)
-        self.log("val_loss", self._loss(logits, targets), prog_bar=True, sync_dist=True)
-        self.val_ppl(logits[:, :-1], targets)
-        self.log("val_ppl", self.val_ppl)
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(self.model(batch["input_ids"]), _shifted_targets(batch))
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def on_validation_batch_end(
+        self, outputs: torch.Tensor, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        # Here, not in validation_step: the steps are compiled (AutoSPStrategy), and a torchmetrics update
+        # inside a compiled step is a graph break whose code would see only this rank's shard of the logits.
+        self.val_loss_mean.update(outputs)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_ppl", torch.exp(self.val_loss_mean.compute()))
+        self.val_loss_mean.reset()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
@@ -157,7 +170,12 @@ class GPTModule(L.LightningModule):
 
 
 class LlamaModule(L.LightningModule):
-    """Causal-LM training of a randomly initialised Hugging Face Llama; logs ``train_loss``, ``val_loss``."""
+    """Causal-LM training of a randomly initialised Hugging Face Llama; logs ``train_loss``, ``val_loss``.
+
+    The defaults are a tiny model for CPU runs; ``examples/configs/llama_*.yaml`` set the shapes of
+    Llama-3.2-1B and Llama-3.1-8B (``rope_theta``, ``rope_scaling`` and ``rms_norm_eps`` as in their configs;
+    ``rope_scaling`` is a Hugging Face ``rope_scaling`` dict such as ``{"rope_type": "llama3", ...}``).
+    """
 
     def __init__(
         self,
@@ -168,6 +186,10 @@ class LlamaModule(L.LightningModule):
         num_attention_heads: int = 4,
         num_key_value_heads: int = 2,
         max_position_embeddings: int = 4096,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        rms_norm_eps: float = 1e-6,
+        tie_word_embeddings: bool = False,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
     ) -> None:
@@ -184,6 +206,10 @@ class LlamaModule(L.LightningModule):
             num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads,
             max_position_embeddings=max_position_embeddings,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=rms_norm_eps,
+            tie_word_embeddings=tie_word_embeddings,
             # SDPA is the attention op the sequence-parallel passes rewrite.
             attn_implementation="sdpa",
             use_cache=False,
