@@ -288,6 +288,10 @@ class MemoryMonitor(Callback):
             for rank, row in enumerate(rows)
         }
         self.history.append((trainer.global_step, self.latest))
+        for rank, stats in self.latest.items():
+            peak = stats.get("peak_allocated_mib", stats.get("peak_rss_mib"))
+            if peak is not None:  # the progress bar only: the loggers get the full breakdown below
+                pl_module.log(f"peak_MiB_r{rank}", peak, prog_bar=True, logger=False, rank_zero_only=True)
         if trainer.is_global_zero:
             metrics = self._metrics()
             for logger in trainer.loggers:
