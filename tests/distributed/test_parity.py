@@ -7,13 +7,11 @@ start-up once; each case is then asserted on its own.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.launch import torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -37,24 +35,9 @@ TWO_RANK_CASES = [
 FOUR_RANK_CASES = ["dp2_sp2", "dp2_sp2_llama"]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch(ranks: int, cases: list[str], out: Path, timeout: int) -> dict[int, dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={ranks}",
-        f"--master_port={free_port()}",
-    ]
-    command += [str(WORKER), "--out", str(out), "--cases", *cases]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stderr[-6000:]
+    code, stderr, _ = torchrun(ranks, WORKER, "--out", str(out), "--cases", *cases, timeout=timeout)
+    assert code == 0, stderr[-6000:]
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)}
 
 

@@ -7,54 +7,21 @@ and records what each rank saw, asserted here one test per property.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from tests.distributed.modules import GPTModule
-from tests.distributed.test_parity import free_port
+from tests.launch import torchrun
 
 pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).parent
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 MAX_EXAMPLES = 6
-
-
-def torchrun(ranks: int, script: Path, *args: str, timeout: float) -> tuple[int, str, float]:
-    """(return code, stderr, seconds). Past ``timeout`` every process of the job is killed: no orphans."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={ranks}",
-        f"--master_port={free_port()}",
-        str(script),
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    start = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        _, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own, and a worker blocked in a collective
-        # ignores SIGTERM: kill every process of the job by pid.
-        for child in [*psutil.Process(process.pid).children(recursive=True), process]:
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                child.kill()
-        _, stderr = process.communicate()
-        pytest.fail(f"the job hung: still running after {timeout:.0f} s\n{stderr[-6000:]}")
-    return process.returncode, stderr, time.monotonic() - start
 
 
 # --------------------------------------------------------------------------------------------------
