@@ -16,10 +16,14 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 DP, SP = "dp", "sp"
 
 
-def check_sp_size(world_size: int, sp_size: int) -> None:
-    """Raise before any collective when ``sp_size`` cannot tile the world."""
+def check_positive_sp_size(sp_size: object) -> None:
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
         raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}.")
+
+
+def check_sp_size(world_size: int, sp_size: int) -> None:
+    """Raise before any collective when ``sp_size`` cannot tile the world."""
+    check_positive_sp_size(sp_size)
     if world_size % sp_size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(

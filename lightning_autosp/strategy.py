@@ -34,7 +34,7 @@ from lightning_autosp.compiler.backend import (
 )
 from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import SequenceShard, shard_batch
-from lightning_autosp.mesh import SP, build_dp_sp_mesh, check_sp_size
+from lightning_autosp.mesh import SP, build_dp_sp_mesh, check_positive_sp_size, check_sp_size
 
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _LOGGING = ("log", "log_dict")
@@ -94,7 +94,7 @@ class AutoSPStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         if sp_size is not None:
-            check_sp_size(sp_size, sp_size)
+            check_positive_sp_size(sp_size)
         if compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
         if sac not in (True, False, "auto"):
