@@ -124,7 +124,7 @@ def sequence_parallel_pass(
             "would only see this rank's tokens. Compute attention with "
             "torch.nn.functional.scaled_dot_product_attention so the SP pass can rewrite it."
         )
-    globalize_split_masks_pass(gm, example_inputs, ctx, report, derived=derived)
+    globalize_split_masks_pass(gm, example_inputs, ctx, report, derived=derived, other_sizes=other_sizes)
     insert_all_to_all_pass(gm, ctx, report, derived=derived, other_sizes=other_sizes)
     gm.graph.eliminate_dead_code()  # the per-rank masks replaced by global ones
     globalize_positions_pass(gm, ctx, report, other_sizes=other_sizes)
@@ -284,6 +284,7 @@ def globalize_split_masks_pass(
     report: SPReport,
     *,
     derived: set[fx.Node],
+    other_sizes: set[int] = frozenset(),
 ) -> fx.GraphModule:
     """Hand attention masks between sub-graphs at the global length.
 
@@ -302,6 +303,7 @@ def globalize_split_masks_pass(
     for value in output.all_input_nodes:
         local_mask = _is_local_square(example_value(value), ctx) and _looks_like_mask(value)
         if value.op != "placeholder" and value not in derived and local_mask:
+            ctx.check_unambiguous(other_sizes, f"the mask {value.name}")
             with graph.inserting_before(output):
                 rebuilt[value] = _rebuild_at_global_length(graph, value, ctx)
             report.masks.append(f"{value.name}: handed on at global length")
