@@ -87,6 +87,14 @@ class GPTModule(L.LightningModule):
         self.log("val_loss", loss)
         return loss
 
+    def test_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.training_step(batch, batch_idx)
+        self.log("test_loss", loss)
+        return loss
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(batch["input_ids"])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 

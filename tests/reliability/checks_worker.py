@@ -265,11 +265,23 @@ def check_validate() -> dict:
     module = GPTModule()
     with torch.no_grad():
         eager = [module.training_step(stack(samples[i : i + 2]), 0).item() for i in (0, 2, 4)]
+        logits = module.model(stack(samples[:2])["input_ids"])
     torch._dynamo.reset()
     trainer = make_trainer(make_strategy(2))
     results = trainer.validate(module, DataLoader(samples, batch_size=2))
+    tested = trainer.test(module, DataLoader(samples, batch_size=2))
+    # predict returns this rank's slice of the sequence; the slices, in rank order, are the whole output.
+    (local,) = trainer.predict(module, DataLoader(samples[:2], batch_size=2))
+    slices = [None] * dist.get_world_size()
+    dist.all_gather_object(slices, local)
+    predicted = torch.cat(slices, dim=1)
     return {
         "val_loss": results[0]["val_loss"],
+        "test_loss": tested[0]["test_loss"],
+        "predict_shape_ok": tuple(predicted.shape) == tuple(logits.shape),
+        "predict_max_abs_err": (predicted - logits).abs().max().item()
+        if predicted.shape == logits.shape
+        else None,
         "reference": sum(eager) / len(eager),
         "reference_per_batch": eager,
         "all_to_alls": sum(r.all_to_alls for b in trainer.strategy._backends.values() for r in b.reports),

@@ -160,6 +160,14 @@ def test_validation_loss_equals_single_device(checks):
         assert "error" not in result, (rank, result)
         assert result["all_to_alls"] > 0
         assert result["val_loss"] == pytest.approx(result["reference"], rel=LOSS_TOLERANCE), rank
+        assert result["test_loss"] == pytest.approx(result["reference"], rel=LOSS_TOLERANCE), rank
+
+
+@pytest.mark.timeout(420)
+def test_predict_returns_each_ranks_slice_of_the_exact_output(checks):
+    for rank, result in each_rank(checks, "validate"):
+        assert result["predict_shape_ok"], (rank, result)
+        assert result["predict_max_abs_err"] < 1e-5, rank
 
 
 # 5. numerics
