@@ -40,6 +40,7 @@ class Case:
     ignored_tail: tuple[int, ...] = ()  # per sample: how many trailing labels are -100
     strategy_kwargs: dict = field(default_factory=dict)
     sp_pass: bool = True
+    precision: str = "32-true"
 
 
 CASES = {
@@ -59,6 +60,7 @@ CASES = {
     "llama_len61": Case(LlamaModule, seq_len=61, ignored_tail=(5, 9)),
     "gpt_sp_pass_off": Case(GPTModule, sp_pass=False),
     "ddp_sp1": Case(GPTModule, sp_size=1),
+    "llama_bf16_mixed": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, precision="bf16-mixed"),
     "gpt_inductor": Case(GPTModule, {"mask": "triu"}, seq_len=25, strategy_kwargs={"compiler": "inductor"}),
     "dp2_sp2": Case(GPTModule, seq_len=30, batch_size=2, ignored_tail=(0, 7, 13, 29)),
     "dp2_sp2_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, seq_len=30, ignored_tail=(3, 0, 29, 11)),
@@ -111,7 +113,8 @@ def run_case(name: str, case: Case) -> dict:
         )
         batch = {k: torch.stack([samples[i][k] for i in indices]) for k in samples[0]}
         module.zero_grad()
-        loss = module.training_step(batch, 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+            loss = module.training_step(batch, 0)
         loss.backward()
         losses.append(loss.item())
         for n, p in module.named_parameters():
@@ -133,6 +136,7 @@ def run_case(name: str, case: Case) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        precision=case.precision,
         callbacks=[capture],
     )
     trainer.fit(module, DataLoader(samples, batch_size=case.batch_size, shuffle=False))
