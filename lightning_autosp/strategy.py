@@ -181,6 +181,25 @@ class AutoSPStrategy(DDPStrategy):
         self._original_steps.clear()
         super().teardown()
 
+    def gather_sequence(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's slice of a sequence-sharded output (e.g. from ``predict_step``) -> the whole sequence.
+
+        Every rank of the sp group must call it (it is a collective); shards may be uneven.
+        Shapes: [B, S_r, ...] -> [B, S, ...] along ``dim``.
+        """
+        shard = self.sequence_shard
+        if shard is None:
+            return tensor
+        longest = max(shard.seq_lens)
+        padding = list(tensor.shape)
+        padding[dim] = longest - tensor.shape[dim]
+        padded = torch.cat([tensor, tensor.new_zeros(padding)], dim=dim).contiguous()
+        gathered = [torch.empty_like(padded) for _ in shard.seq_lens]
+        torch.distributed.all_gather(gathered, padded, group=self.device_mesh.get_group(SP))
+        return torch.cat(
+            [part.narrow(dim, 0, length) for part, length in zip(gathered, shard.seq_lens)], dim=dim
+        )
+
     def explain(self) -> str:
         """What the compiler did, per compiled graph: attention found, all-to-alls, rewrites."""
         lines = []

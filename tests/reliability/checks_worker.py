@@ -270,11 +270,9 @@ def check_validate() -> dict:
     trainer = make_trainer(make_strategy(2))
     results = trainer.validate(module, DataLoader(samples, batch_size=2))
     tested = trainer.test(module, DataLoader(samples, batch_size=2))
-    # predict returns this rank's slice of the sequence; the slices, in rank order, are the whole output.
+    # predict returns this rank's slice of the sequence; gather_sequence puts the whole output together.
     (local,) = trainer.predict(module, DataLoader(samples[:2], batch_size=2))
-    slices = [None] * dist.get_world_size()
-    dist.all_gather_object(slices, local)
-    predicted = torch.cat(slices, dim=1)
+    predicted = trainer.strategy.gather_sequence(local, dim=1)
     return {
         "val_loss": results[0]["val_loss"],
         "test_loss": tested[0]["test_loss"],
