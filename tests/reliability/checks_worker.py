@@ -208,6 +208,8 @@ class FirstBatchReference(L.Callback):
         self.weights_equal = set(saved) == set(current) and all(
             torch.equal(saved[k], current[k]) for k in saved
         )
+        # Under sp > 1 the batch is this rank's slice: put the whole sequence back together first.
+        batch = {key: trainer.strategy.gather_sequence(value) for key, value in batch.items()}
         with torch.no_grad():  # the class's function, not the strategy's compiled step: eager, no collectives
             self.eager_loss = GPTModule.training_step(pl_module, batch, batch_idx).item()
 
@@ -235,7 +237,12 @@ def check_checkpoint(out: Path) -> dict:
     first_three = fit(2, 3, callbacks=[saver]).losses
     resumed = fit(2, 5, ckpt_path=checkpoint).losses
     reference_check = FirstBatchReference(checkpoint)
-    resharded = fit(1, 4, ckpt_path=checkpoint, callbacks=[reference_check]).losses
+    sp1_saver = ModelCheckpoint(dirpath=out, filename="sp1_step4", every_n_train_steps=4, save_top_k=-1)
+    sp1_checkpoint = out / "sp1_step4.ckpt"
+    sp1_checkpoint.unlink(missing_ok=True)
+    resharded = fit(1, 4, ckpt_path=checkpoint, callbacks=[reference_check, sp1_saver]).losses
+    back_check = FirstBatchReference(sp1_checkpoint)
+    resharded_back = fit(2, 5, ckpt_path=sp1_checkpoint, callbacks=[back_check]).losses
     if dist.get_rank() == 0:
         torch.save(batches[3], out / "step3_batch.pt")
     return {
@@ -246,6 +253,9 @@ def check_checkpoint(out: Path) -> dict:
         "resharded_sp1": resharded,
         "resharded_weights_equal_checkpoint": reference_check.weights_equal,
         "resharded_eager_loss": reference_check.eager_loss,
+        "resharded_back_sp2": resharded_back,
+        "resharded_back_weights_equal_checkpoint": back_check.weights_equal,
+        "resharded_back_eager_loss": back_check.eager_loss,
         "checkpoint": str(checkpoint),
         "step3_batch": str(out / "step3_batch.pt"),
     }

@@ -134,6 +134,12 @@ def test_resuming_with_a_different_sp_size(checks):
         assert result["resharded_weights_equal_checkpoint"], rank
         assert len(result["resharded_sp1"]) == 1
         assert result["resharded_sp1"][0] == pytest.approx(result["resharded_eager_loss"], rel=LOSS_TOLERANCE)
+        # ... and back: saved under sp=1 (dp=2), resumed under sp=2.
+        assert result["resharded_back_weights_equal_checkpoint"], rank
+        assert len(result["resharded_back_sp2"]) == 1
+        assert result["resharded_back_sp2"][0] == pytest.approx(
+            result["resharded_back_eager_loss"], rel=LOSS_TOLERANCE
+        )
 
 
 @pytest.mark.timeout(420)
