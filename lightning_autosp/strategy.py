@@ -30,6 +30,7 @@ from lightning_autosp.compiler.backend import (
     AutoSPBackend,
     Compiler,
     active_dispatch_mode,
+    check_backend_options,
     frames_not_compiled,
 )
 from lightning_autosp.compiler.sp_pass import SPContext
@@ -95,10 +96,7 @@ class AutoSPStrategy(DDPStrategy):
         )
         if sp_size is not None:
             check_positive_sp_size(sp_size)
-        if compiler not in ("inductor", "aot_eager"):
-            raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
-        if sac not in (True, False, "auto"):
-            raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
+        check_backend_options(compiler, sac)
         self._sp_size = sp_size
         self.seq_dim = seq_dim
         self.sequence_keys = tuple(sequence_keys) if sequence_keys else None

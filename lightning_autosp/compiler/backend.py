@@ -18,6 +18,14 @@ from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_para
 Compiler = Literal["inductor", "aot_eager"]
 
 
+def check_backend_options(compiler: object, sac: object) -> None:
+    """Raise on a ``compiler`` or ``sac`` value the backend does not know (before any process starts)."""
+    if compiler not in ("inductor", "aot_eager"):
+        raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
+    if sac not in (True, False, "auto"):
+        raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
+
+
 def _run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     return make_boxed_func(gm.forward)
 
@@ -38,16 +46,13 @@ class AutoSPBackend:
     """
 
     def __init__(
-        self, context: SPContext | None, *, compiler: Compiler = "inductor", sac: bool = True
+        self, context: SPContext | None, *, compiler: Compiler = "inductor", sac: bool | str = True
     ) -> None:
-        if compiler not in ("inductor", "aot_eager"):
-            raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
+        check_backend_options(compiler, sac)
         self.context = context
         self.compiler = compiler
         self.sac = sac
         self.reports: list[SPReport] = []
-        if sac not in (True, False, "auto"):
-            raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
         self.partitioner = SequenceAwarePartitioner({True: "all", False: "off", "auto": "auto"}[sac])
 
     @property
