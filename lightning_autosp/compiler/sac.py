@@ -37,6 +37,7 @@ _ATTENTION_OPS = {
     "_scaled_dot_product_cudnn_attention",
     "_flash_attention_forward",
     "_efficient_attention_forward",
+    "ring_attention",  # compiler/ring.py (its FLOPs here count the local K/V block only)
 }
 
 
@@ -73,6 +74,85 @@ def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
     return forward
 
 
+_NORMALIZATION_OPS = {"native_layer_norm", "var_mean", "_fused_rms_norm", "rms_norm"}
+_CAST_OPS = {"_to_copy", "convert_element_type"}
+
+
+def _strip_casts(node: object) -> object:
+    while isinstance(node, fx.Node) and _op_name(node) in _CAST_OPS:
+        node = node.args[0]
+    return node
+
+
+def normalization_input(node: fx.Node) -> fx.Node | None:
+    """The tensor a LayerNorm or RMSNorm normalizes, if ``node`` is one; before any dtype cast.
+
+    RMSNorm written out (HF Llama) reaches the graph as ``mean(pow(x, 2), -1)``.
+    """
+    name = _op_name(node)
+    if name in _NORMALIZATION_OPS:
+        source = node.args[0]
+    elif name == "mean" and isinstance(node.args[0], fx.Node):
+        square = node.args[0]
+        if not (_op_name(square) == "pow" and square.args[1] == 2) and not (
+            _op_name(square) == "mul" and square.args[0] is square.args[1]
+        ):
+            return None
+        source = square.args[0]
+    else:
+        return None
+    source = _strip_casts(source)
+    return source if isinstance(source, fx.Node) else None
+
+
+def layer_boundaries(joint: fx.GraphModule) -> set[fx.Node]:
+    """The residual stream where each transformer block starts: the inputs of the pre-attention norms.
+
+    Saving these cuts the recompute chain: without them, rebuilding the last block's activations in
+    backward re-runs every block before it, and all of them are alive at once. A norm counts as
+    pre-attention when the attention's query depends on it and on no later norm. Block inputs
+    that are cheap to rebuild (the embedding) are left to recompute.
+    """
+    forward = forward_nodes(joint)
+    normalized = {n: normalization_input(n) for n in forward if n.op == "call_function"}
+    sources = {source for source in normalized.values() if source is not None}
+    boundaries = set()
+    for attention in (n for n in forward if _op_name(n) in _ATTENTION_OPS):
+        # Walk back from the query to the first normalized tensor on each path; decomposed norms
+        # reach it both through their statistics and directly (x * rsqrt(var)).
+        stack, seen = [attention.args[0]], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, fx.Node) or node in seen:
+                continue
+            seen.add(node)
+            source = normalized.get(node) or (node if node in sources else None)
+            if source is not None:
+                if _recompute_needs_matmuls(source):
+                    boundaries.add(source)
+                continue
+            stack.extend(node.all_input_nodes)
+    return boundaries
+
+
+def _recompute_needs_matmuls(node: fx.Node) -> bool:
+    """Whether rebuilding ``node`` from the graph inputs runs any FLOP-counted op.
+
+    The first block's input is an embedding lookup: cheap to rebuild, so not worth its bytes. A graph
+    input (placeholder) is held anyway.
+    """
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen or current.op != "call_function":
+            continue
+        seen.add(current)
+        if node_flops(current) > 0:
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
+
+
 def recompute_policy(node: fx.Node) -> CheckpointPolicy:
     """Save attention, collectives and random ops; let everything else be recomputed."""
     if _op_name(node) in _ATTENTION_OPS or _is_collective(node) or _is_random(node):
@@ -84,13 +164,16 @@ def tag_recompute_policy(joint: fx.GraphModule, recomputable: set[fx.Node] | Non
     """Write ``node.meta["recompute"]`` on forward ops; getitems share their parent's tag.
 
     ``recomputable`` limits PREFER_RECOMPUTE to those nodes (the "auto" budget); the others keep the
-    min-cut partitioner's own rules.
+    min-cut partitioner's own rules. Block inputs (``layer_boundaries``) are saved.
     """
     counts: Counter = Counter()
+    boundaries = layer_boundaries(joint)
     for node in forward_nodes(joint):
         if node.op != "call_function":
             continue
-        if node.target is operator.getitem and node.args[0].meta.get("recompute") is not None:
+        if node in boundaries:
+            policy = CheckpointPolicy.MUST_SAVE
+        elif node.target is operator.getitem and node.args[0].meta.get("recompute") is not None:
             policy = node.args[0].meta["recompute"]
         else:
             policy = recompute_policy(node)
