@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 _MIB = float(2**20)
@@ -72,6 +73,8 @@ def _storage_bytes(tensors: Any) -> tuple[int, set[tuple[str, int | None, int]]]
     """Bytes of the distinct storages behind ``tensors``, and their keys."""
     seen: dict[tuple[str, int | None, int], int] = {}
     for tensor in tensors:
+        if isinstance(tensor, DTensor):  # data_parallel="fsdp": this rank's shard
+            tensor = tensor.to_local()
         if not isinstance(tensor, Tensor) or tensor.device.type == "meta":
             continue
         storage = tensor.untyped_storage()

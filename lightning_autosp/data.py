@@ -8,25 +8,49 @@ Note [Sequence sharding]
     keeps the same boundaries: rank r owns ``[offset_r, offset_{r+1})`` clipped to its length, and
     the last rank owns everything from its offset to the end. The compiler relies on this rule to
     make slices, pads and shifts of sharded tensors globally correct (see ``compiler/sp_pass.py``).
+
+Note [Ring layouts]
+    With ``ring_degree`` R > 1 the sp group is R ring ranks of U = P / R Ulysses ranks each (sp rank
+    r = ring * U + ulysses). Attention gathers a ring rank's tokens from its U Ulysses ranks (all-to-all,
+    in sp rank order), then passes K/V blocks around the ring. Under a causal mask, the ring rank
+    holding the end of the sequence does 2R-1 times the work of the one holding the start, so the
+    "zigzag" layout cuts the sequence into 2R balanced chunks and gives ring rank i chunks i and
+    2R-1-i; its tokens (ascending) are then split into U balanced contiguous pieces, one per Ulysses
+    rank, so an sp rank may hold two ranges. "contiguous" keeps the balanced layout above. Either
+    way every rank holds its positions in ascending order, and a sequence-derived tensor of another
+    length follows the same rule: a rank owns its positions below that length, and the owner of the
+    last token also owns the positions past the end (a right pad). Positions, the label shift, slices,
+    the loss and attention all read this one map (``SequenceShard.positions``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
+import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
+
+RingLayout = Literal["zigzag", "contiguous"]
+RING_LAYOUTS = ("zigzag", "contiguous")
 
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """Where this rank's tokens sit in the global sequence."""
+    """Where this rank's tokens sit in the global sequence.
+
+    ``rank_ranges`` lists, per sp rank, the global ``[start, end)`` ranges it holds, ascending and in
+    local order; ``None`` is the balanced contiguous layout (one range per rank, in rank order).
+    ``ring_degree`` groups the ranks into ring x Ulysses (Note [Ring layouts]).
+    """
 
     global_len: int
     seq_lens: tuple[int, ...]
     rank: int
+    ring_degree: int = 1
+    rank_ranges: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @classmethod
     def balanced(cls, global_len: int, world: int, rank: int) -> SequenceShard:
@@ -35,8 +59,95 @@ class SequenceShard:
                 f"The sequence has {global_len} tokens but sp_size={world}: every sp rank needs at least "
                 f"one token. Use sequences of at least {world} tokens or a smaller sp_size."
             )
-        base, extra = divmod(global_len, world)
-        return cls(global_len, tuple(base + (r < extra) for r in range(world)), rank)
+        return cls(global_len, _balanced_sizes(global_len, world), rank)
+
+    @classmethod
+    def for_ring(
+        cls, global_len: int, world: int, rank: int, ring_degree: int, layout: RingLayout = "zigzag"
+    ) -> SequenceShard:
+        """The layout of ``world`` sp ranks as ``ring_degree`` ring ranks x ``world // ring_degree``
+        Ulysses ranks (Note [Ring layouts]). ``ring_degree=1`` is exactly :meth:`balanced`."""
+        if layout not in RING_LAYOUTS:
+            raise ValueError(f"ring_layout={layout!r} is not supported; use one of {RING_LAYOUTS}.")
+        if world % ring_degree:
+            raise ValueError(f"ring_degree={ring_degree} must divide sp_size={world}.")
+        if ring_degree == 1 or layout == "contiguous":
+            return replace(cls.balanced(global_len, world, rank), ring_degree=ring_degree)
+        ulysses = world // ring_degree
+        chunks = _balanced_sizes(global_len, 2 * ring_degree) if global_len >= 2 * ring_degree else ()
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        rank_ranges: list[tuple[tuple[int, int], ...]] = []
+        for ring in range(ring_degree if chunks else 0):
+            pieces = [(starts[c], starts[c] + chunks[c]) for c in (ring, 2 * ring_degree - 1 - ring)]
+            tokens = chunks[ring] + chunks[2 * ring_degree - 1 - ring]
+            if tokens < ulysses:
+                break
+            for part in _balanced_sizes(tokens, ulysses):
+                taken, pieces = _take(pieces, part)
+                rank_ranges.append(taken)
+        if len(rank_ranges) != world:
+            raise ValueError(
+                f"The sequence has {global_len} tokens but the zigzag layout of sp_size={world} with "
+                f"ring_degree={ring_degree} needs at least {max(world, 2 * ring_degree)}. Use longer "
+                "sequences, a smaller sp_size or ring_layout='contiguous'."
+            )
+        seq_lens = tuple(sum(end - start for start, end in ranges) for ranges in rank_ranges)
+        return cls(global_len, seq_lens, rank, ring_degree, tuple(rank_ranges))
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.rank_ranges is None
+
+    def ranges_of(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The global ``[start, end)`` ranges ``rank`` holds, in its local order."""
+        if self.rank_ranges is not None:
+            return self.rank_ranges[rank]
+        start = sum(self.seq_lens[:rank])
+        return ((start, start + self.seq_lens[rank]),)
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return self.ranges_of(self.rank)
+
+    def positions(self, length: int | None = None, rank: int | None = None) -> list[int]:
+        """Global positions ``rank`` (default: this one) owns of a sequence-derived tensor of ``length``
+        positions (default: the sequence), in local order (Note [Ring layouts])."""
+        length = self.global_len if length is None else length
+        ranges = self.ranges_of(self.rank if rank is None else rank)
+        owned = [p for start, end in ranges for p in range(start, min(end, length))]
+        if length > self.global_len and any(end == self.global_len for _, end in ranges):
+            owned.extend(range(self.global_len, length))
+        return owned
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.world // self.ring_degree
+
+    @property
+    def ring_rank(self) -> int:
+        return self.rank // self.ulysses_degree
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.rank % self.ulysses_degree
+
+    @property
+    def ulysses_seq_lens(self) -> tuple[int, ...]:
+        """Shard lengths of the Ulysses ranks of this rank's ring rank (the all-to-all's group)."""
+        first = self.ring_rank * self.ulysses_degree
+        return self.seq_lens[first : first + self.ulysses_degree]
+
+    def ring_ranges(self, ring_rank: int) -> tuple[tuple[int, int], ...]:
+        """The global ranges a ring rank attends for: its Ulysses ranks' ranges, joined, in order."""
+        first = ring_rank * self.ulysses_degree
+        merged: list[tuple[int, int]] = []
+        for rank in range(first, first + self.ulysses_degree):
+            for start, end in self.ranges_of(rank):
+                if merged and merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], end)
+                else:
+                    merged.append((start, end))
+        return tuple(merged)
 
     @property
     def world(self) -> int:
@@ -48,14 +159,46 @@ class SequenceShard:
 
     @property
     def offset(self) -> int:
+        self._require_contiguous("offset")
         return sum(self.seq_lens[: self.rank])
 
     def owned_range(self, length: int) -> tuple[int, int]:
         """Global positions this rank owns of a sequence-derived tensor of ``length`` positions."""
+        self._require_contiguous("owned_range")
         start = min(self.offset, length)
         if self.rank == self.world - 1:
             return start, length
         return start, min(self.offset + self.local_len, length)
+
+    def _require_contiguous(self, what: str) -> None:
+        if not self.is_contiguous:
+            raise RuntimeError(
+                f"SequenceShard.{what} is defined for contiguous shards only; use positions()."
+            )
+
+
+def _balanced_sizes(total: int, parts: int) -> tuple[int, ...]:
+    """``torch.tensor_split`` sizes: the first ``total % parts`` parts get one more."""
+    base, extra = divmod(total, parts)
+    return tuple(base + (p < extra) for p in range(parts))
+
+
+def _take(
+    pieces: list[tuple[int, int]], count: int
+) -> tuple[tuple[tuple[int, int], ...], list[tuple[int, int]]]:
+    """The first ``count`` positions of ``pieces`` (ranges in order) as ranges, and what is left."""
+    taken, left = [], list(pieces)
+    while count:
+        start, end = left.pop(0)
+        size = min(count, end - start)
+        if taken and taken[-1][1] == start:  # chunks that touch make one range
+            taken[-1] = (taken[-1][0], start + size)
+        else:
+            taken.append((start, start + size))
+        if start + size < end:
+            left.insert(0, (start + size, end))
+        count -= size
+    return tuple(taken), left
 
 
 def find_sequence_length(batch: Any, seq_dim: int, sequence_keys: Sequence[str] | None) -> int:
@@ -102,18 +245,22 @@ def shard_batch(
     rank: int,
     seq_dim: int = 1,
     sequence_keys: Sequence[str] | None = None,
+    ring_degree: int = 1,
+    ring_layout: RingLayout = "zigzag",
 ) -> tuple[Any, SequenceShard]:
     """Keep this rank's slice of every tensor that carries the sequence.
 
     A tensor carries the sequence when its ``seq_dim`` has the global sequence length (the length of
-    ``input_ids``, or of ``sequence_keys``). Shapes: [B, S, ...] -> [B, S_r, ...].
+    ``input_ids``, or of ``sequence_keys``). Shapes: [B, S, ...] -> [B, S_r, ...]. With
+    ``ring_degree`` > 1 the slice follows ``ring_layout`` (Note [Ring layouts]).
     """
     global_len = find_sequence_length(batch, seq_dim, sequence_keys)
-    shard = SequenceShard.balanced(global_len, world, rank)
+    shard = SequenceShard.for_ring(global_len, world, rank, ring_degree, ring_layout)
 
     def narrow(tensor: Tensor) -> Tensor:
         if tensor.dim() > seq_dim and tensor.shape[seq_dim] == global_len:
-            return tensor.narrow(seq_dim, shard.offset, shard.local_len)
+            pieces = [tensor.narrow(seq_dim, start, end - start) for start, end in shard.ranges]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=seq_dim)
         return tensor
 
     return apply_to_collection(batch, Tensor, narrow), shard

@@ -10,22 +10,27 @@ DDP (gradients averaged over all ranks; see Note [Loss over sequence shards] in
 from __future__ import annotations
 
 import functools
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_autosp import fsdp, planner
 from lightning_autosp.compiler.backend import (
     AutoSPBackend,
     Compiler,
@@ -34,8 +39,20 @@ from lightning_autosp.compiler.backend import (
     frames_not_compiled,
 )
 from lightning_autosp.compiler.sp_pass import SPContext
-from lightning_autosp.data import SequenceShard, shard_batch
-from lightning_autosp.mesh import SP, build_dp_sp_mesh, check_positive_sp_size, check_sp_size
+from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, shard_batch
+from lightning_autosp.mesh import (
+    RING,
+    SP,
+    ULYSSES,
+    auto_ulysses_degree,
+    build_dp_sp_mesh,
+    build_ring_ulysses_mesh,
+    check_positive_sp_size,
+    check_sp_size,
+    check_ulysses_degree,
+    check_ulysses_degree_option,
+    find_head_counts,
+)
 
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _LOGGING = ("log", "log_dict")
@@ -53,12 +70,26 @@ class AutoSPStrategy(DDPStrategy):
 
     Args:
         sp_size: ranks per sequence-parallel group (contiguous ranks). Defaults to the devices per node.
+            "auto": the smallest that fits a ``max_seq_len``-token step in ``memory_per_device`` bytes
+            (default: the CUDA device's memory), from ``lightning_autosp.planner``; logged.
+        ulysses_degree: how much of sp is Ulysses (all-to-all over heads); the rest, sp_size /
+            ulysses_degree, is ring attention (K/V blocks passed around). None: all of sp (sp_size must
+            divide the heads); "auto": the largest degree dividing sp_size, the q heads (read from the
+            module's configs/attributes) and the devices per node; or an int dividing sp_size.
+        ring_layout: which tokens each ring rank holds: "zigzag" (chunks i and 2R-1-i, balancing causal
+            attention's work) or "contiguous" (Note [Ring layouts] in ``data.py``).
         seq_dim: the sequence dimension of the batch's token tensors.
         sequence_keys: batch keys whose length defines the sequence (default: ``input_ids``, else
             the first integer tensor); every tensor with that length along ``seq_dim`` is sharded.
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
         sac: sequence-aware activation checkpointing: True (recompute all but attention and
             collectives), "auto" (within 10% of the step's FLOPs, from a FLOP model), or False.
+        chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of ``loss_chunk_tokens``
+            tokens (None: chunks of at most 2**26 logits), never holding the whole logits.
+        data_parallel: "ddp" (replicas, gradients all-reduced) or "fsdp" (parameters, gradients and
+            optimizer state sharded over all dp x sp ranks with FSDP2; ``lightning_autosp/fsdp.py``).
+        save_distributed_checkpoint: with "fsdp", save one shard per rank to a directory instead of
+            a full checkpoint file assembled on rank 0.
         timeout: process-group timeout; a rank that fails leaves the others waiting at most this long.
         **ddp_kwargs: passed to ``DistributedDataParallel``.
     """
@@ -67,12 +98,20 @@ class AutoSPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        sp_size: int | None = None,
+        sp_size: int | Literal["auto"] | None = None,
         *,
         seq_dim: int = 1,
         sequence_keys: Sequence[str] | None = None,
         compiler: Compiler = "inductor",
         sac: bool | str = True,
+        ulysses_degree: int | Literal["auto"] | None = None,
+        ring_layout: RingLayout = "zigzag",
+        chunked_loss: bool = True,
+        loss_chunk_tokens: int | None = None,
+        data_parallel: fsdp.DataParallel = "ddp",
+        save_distributed_checkpoint: bool = False,
+        max_seq_len: int | None = None,
+        memory_per_device: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -94,9 +133,21 @@ class AutoSPStrategy(DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
+        self._auto_sp = planner.check_auto_sp_options(sp_size, max_seq_len, memory_per_device)
+        self._max_seq_len, self._memory_per_device = max_seq_len, memory_per_device
+        if self._auto_sp:
+            sp_size = None  # chosen in setup_distributed, once the module is known
         if sp_size is not None:
             check_positive_sp_size(sp_size)
-        check_backend_options(compiler, sac)
+        check_ulysses_degree_option(ulysses_degree)
+        if ring_layout not in RING_LAYOUTS:
+            raise ValueError(f"ring_layout={ring_layout!r} is not supported; use one of {RING_LAYOUTS}.")
+        self._ulysses_option = ulysses_degree
+        self._ulysses_degree: int | None = None if ulysses_degree == "auto" else ulysses_degree
+        self.ring_layout: RingLayout = ring_layout
+        self._ring_mesh: DeviceMesh | None = None
+        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens)
+        self.loss_options = {"chunked_loss": chunked_loss, "loss_chunk_tokens": loss_chunk_tokens}
         self._sp_size = sp_size
         self.seq_dim = seq_dim
         self.sequence_keys = tuple(sequence_keys) if sequence_keys else None
@@ -106,6 +157,9 @@ class AutoSPStrategy(DDPStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._backends: dict[SequenceShard | None, AutoSPBackend] = {}
         self._original_steps: dict[str, Callable] = {}
+        fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs)
+        self.data_parallel: fsdp.DataParallel = data_parallel
+        self._save_distributed_checkpoint = save_distributed_checkpoint
 
     @property
     def sp_size(self) -> int:
@@ -124,6 +178,19 @@ class AutoSPStrategy(DDPStrategy):
         return self.global_rank // self.sp_size
 
     @property
+    def ulysses_degree(self) -> int:
+        """Ranks of an sp group that exchange heads by all-to-all; the rest of sp is the ring."""
+        if self._ulysses_option is None:
+            return self.sp_size
+        if self._ulysses_degree is None:
+            raise RuntimeError("ulysses_degree='auto' is resolved in setup(), from the module's heads.")
+        return self._ulysses_degree
+
+    @property
+    def ring_degree(self) -> int:
+        return self.sp_size // self.ulysses_degree
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
@@ -134,9 +201,24 @@ class AutoSPStrategy(DDPStrategy):
         super().set_world_ranks()
         # Checked here, before the process group exists, so a bad sp_size fails on every rank alike.
         check_sp_size(self.world_size, self.sp_size)
+        if isinstance(self._ulysses_option, int):
+            check_ulysses_degree(self.sp_size, self._ulysses_option)
 
     @override
     def setup_distributed(self) -> None:
+        if self._auto_sp and self._sp_size is None:
+            self._sp_size = planner.auto_sp_size(
+                self.lightning_module,
+                max_seq_len=self._max_seq_len,
+                memory_per_device=self._memory_per_device,
+                device=self.root_device,
+                devices=self.num_nodes * self.num_processes,
+                gpus_per_node=self.num_processes,
+                sac=self.sac,
+                data_parallel=self.data_parallel,
+                precision=self.precision_plugin.precision,
+                **self.loss_options,
+            ).setup.sp_size
         super().setup_distributed()
         self._device_mesh = build_dp_sp_mesh(
             self.root_device.type, self.world_size, self.sp_size, self._timeout
@@ -160,6 +242,8 @@ class AutoSPStrategy(DDPStrategy):
             rank=self.sp_rank,
             seq_dim=self.seq_dim,
             sequence_keys=self.sequence_keys,
+            ring_degree=self.ring_degree,
+            ring_layout=self.ring_layout,
         )
         return batch
 
@@ -167,8 +251,29 @@ class AutoSPStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         # Compile the steps, not the module: the loss written in training_step is then inside the
         # compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
+        self._setup_ring()
         self._compile_steps(self.lightning_module)
+        if self.data_parallel == "fsdp":
+            mesh = fsdp.build_world_mesh(self.root_device.type, self.world_size)
+            fsdp.setup_fully_sharded(self, trainer, mesh)
+            return
         super().setup(trainer)
+
+    def _setup_ring(self) -> None:
+        """Resolve ulysses_degree="auto" (the module exists only now, after configure_model) and split
+        the sp groups into ring x Ulysses sub-groups when sp is more than the Ulysses degree."""
+        if self._ulysses_option == "auto" and self._ulysses_degree is None:
+            heads = find_head_counts(self.lightning_module)
+            if not heads:
+                raise ValueError(
+                    "ulysses_degree='auto' found no attention head count on the module (a config's "
+                    "num_attention_heads, or a num_heads/n_head/heads attribute). Pass ulysses_degree=<int>."
+                )
+            self._ulysses_degree = auto_ulysses_degree(self.sp_size, math.gcd(*heads), self.num_processes)
+        if self.ring_degree > 1 and self._ring_mesh is None:
+            self._ring_mesh = build_ring_ulysses_mesh(
+                self.root_device.type, self.world_size, self.sp_size, self.ulysses_degree, self._timeout
+            )
 
     @override
     def teardown(self) -> None:
@@ -179,6 +284,72 @@ class AutoSPStrategy(DDPStrategy):
         self._original_steps.clear()
         super().teardown()
 
+    # Checkpoints under data_parallel="fsdp", as Lightning's ModelParallelStrategy does them: the
+    # strategy loads weights and optimizer states itself once they are sharded, after setup.
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self.data_parallel == "fsdp"
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return self.data_parallel != "fsdp"
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.data_parallel != "fsdp":
+            return super().lightning_module_state_dict()
+        return fsdp.model_state_dict(self.model, full=not self._save_distributed_checkpoint)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.data_parallel != "fsdp":
+            return super().optimizer_state(optimizer)
+        full = not self._save_distributed_checkpoint
+        return fsdp.optimizer_state_dict(self.model, optimizer, full=full, rank=self.global_rank)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.data_parallel != "fsdp":  # else load_checkpoint has loaded it
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.data_parallel != "fsdp":  # else load_checkpoint has loaded it
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self.data_parallel != "fsdp":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))  # one path for all ranks
+        if not self._save_distributed_checkpoint:
+            if self.is_global_zero:
+                fsdp.remove_distributed_checkpoint(path)
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                "save_checkpoint(storage_options=...) is not supported with save_distributed_checkpoint=True:"
+                " torch.distributed.checkpoint writes the shards, not the CheckpointIO plugin."
+            )
+        fsdp.save_distributed_checkpoint(checkpoint, path, rank=self.global_rank)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.data_parallel != "fsdp":
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return fsdp.load_checkpoint(
+            Path(self.broadcast(checkpoint_path)),
+            self.model,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
     def gather_sequence(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's slice of a sequence-sharded output (e.g. from ``predict_step``) -> the whole sequence.
 
@@ -188,6 +359,13 @@ class AutoSPStrategy(DDPStrategy):
         shard = self.sequence_shard
         if shard is None:
             return tensor
+        if not shard.is_contiguous:  # zigzag: put every rank's positions back in sequence order
+            return _in_sequence_order(self._gather_shards(tensor, dim), shard, dim)
+        return self._gather_shards(tensor, dim)
+
+    def _gather_shards(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's shard along ``dim``, concatenated in sp rank order."""
+        shard = self.sequence_shard
         longest = max(shard.seq_lens)
         padding = list(tensor.shape)
         padding[dim] = longest - tensor.shape[dim]
@@ -205,12 +383,13 @@ class AutoSPStrategy(DDPStrategy):
             layout = (
                 "no sequence parallelism"
                 if shard is None
-                else f"sequence {shard.global_len} -> {shard.seq_lens}"
+                else f"sequence {shard.global_len} -> {shard.seq_lens}{_ring_description(shard)}"
             )
             for index, report in enumerate(backend.reports):
                 lines.append(f"graph {index} ({layout}):")
                 lines.extend(f"  {line}" for line in report.lines())
             lines.extend(f"{report.line()}" for report in backend.sac_reports)
+            lines.extend(line for report in backend.loss_reports for line in report.lines())
         return "\n".join(lines) if lines else "Nothing compiled yet."
 
     def backend_for(self, shard: SequenceShard | None) -> AutoSPBackend:
@@ -219,10 +398,22 @@ class AutoSPStrategy(DDPStrategy):
             context = (
                 None
                 if shard is None
-                else SPContext(shard, self.device_mesh.get_group(SP).group_name, self.seq_dim)
+                else SPContext(
+                    shard, self.device_mesh.get_group(SP).group_name, self.seq_dim, **self._ring_groups()
+                )
             )
-            self._backends[shard] = AutoSPBackend(context, compiler=self.compiler, sac=self.sac)
+            self._backends[shard] = AutoSPBackend(
+                context, compiler=self.compiler, sac=self.sac, **self.loss_options
+            )
         return self._backends[shard]
+
+    def _ring_groups(self) -> dict[str, str]:
+        if self._ring_mesh is None:
+            return {}
+        return {
+            "ulysses_group_name": self._ring_mesh.get_group(ULYSSES).group_name,
+            "ring_group_name": self._ring_mesh.get_group(RING).group_name,
+        }
 
     def _compile_steps(self, module: pl.LightningModule) -> None:
         # Dynamo cannot trace Lightning's logging; calling it from a compiled step becomes a graph break.
@@ -271,6 +462,20 @@ class AutoSPStrategy(DDPStrategy):
             return output
 
         return run
+
+
+def _ring_description(shard: SequenceShard) -> str:
+    if shard.ring_degree == 1:
+        return ""
+    layout = "contiguous" if shard.is_contiguous else "zigzag"
+    return f", ulysses {shard.ulysses_degree} x ring {shard.ring_degree} ({layout})"
+
+
+def _in_sequence_order(gathered: torch.Tensor, shard: SequenceShard, dim: int) -> torch.Tensor:
+    """Shards concatenated in rank order -> the sequence order, under any layout."""
+    positions = [p for rank in range(shard.world) for p in shard.positions(rank=rank)]
+    order = torch.argsort(torch.tensor(positions, device=gathered.device))
+    return gathered.index_select(dim, order)
 
 
 def _check_sequence_parallel_applied(step_name: str, backend: AutoSPBackend, skipped_frames: int) -> None:

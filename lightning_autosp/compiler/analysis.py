@@ -24,7 +24,6 @@ _SDPA_SIGNATURE = inspect.signature(
     )
 )
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
-_FLASH_ATTN_NAMES = ("flash_attn_func", "flash_attn::_flash_attn_forward")
 # Dynamo records ``F.pad`` as the builtin it calls.
 PAD_TARGETS = (F.pad, torch._C._nn.pad)
 
@@ -87,13 +86,6 @@ def is_sdpa(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.scaled_dot_product_attention
 
 
-def is_flash_attention(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    name = getattr(node.target, "__name__", "") or str(node.target)
-    return name in _FLASH_ATTN_NAMES or str(node.target) in _FLASH_ATTN_NAMES
-
-
 def is_cross_entropy(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.cross_entropy
 
@@ -108,10 +100,6 @@ def find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
                 AttentionMatch(node, args["query"], args["key"], args["value"], args["attn_mask"], "BHSD")
             )
     return matches
-
-
-def find_flash_attention(gm: fx.GraphModule) -> list[fx.Node]:
-    return [node for node in gm.graph.nodes if is_flash_attention(node)]
 
 
 def find_manual_attention(gm: fx.GraphModule, seq_len: int) -> list[fx.Node]:

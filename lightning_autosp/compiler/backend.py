@@ -12,18 +12,30 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from lightning_autosp.compiler.chunked_loss import ChunkedLossReport, chunked_loss_pass
 from lightning_autosp.compiler.sac import SACReport, SequenceAwarePartitioner
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
 
 Compiler = Literal["inductor", "aot_eager"]
 
 
-def check_backend_options(compiler: object, sac: object) -> None:
-    """Raise on a ``compiler`` or ``sac`` value the backend does not know (before any process starts)."""
+def check_backend_options(
+    compiler: object, sac: object, chunked_loss: object = True, loss_chunk_tokens: object = None
+) -> None:
+    """Raise on a backend option value the backend does not know (before any process starts)."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
     if sac not in (True, False, "auto"):
         raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
+    if not isinstance(chunked_loss, bool):
+        raise TypeError(f"chunked_loss={chunked_loss!r} must be True or False.")
+    if loss_chunk_tokens is not None and (
+        not isinstance(loss_chunk_tokens, int) or isinstance(loss_chunk_tokens, bool) or loss_chunk_tokens < 1
+    ):
+        raise ValueError(
+            f"loss_chunk_tokens={loss_chunk_tokens!r} must be a positive number of tokens, or None for "
+            "chunks of at most 2**26 logits."
+        )
 
 
 def _run_eagerly(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -40,19 +52,31 @@ class AutoSPBackend:
         sac: True recomputes everything but attention and collectives in backward; "auto" recomputes
             what fits in 10% of the step's FLOPs, cheapest per byte first; False saves as PyTorch's
             min-cut partitioner decides (``compiler/sac.py``).
+        chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of tokens without
+            materializing the logits (``compiler/chunked_loss.py``); reports in ``loss_reports``.
+        loss_chunk_tokens: tokens per chunk; None keeps a chunk's logits within 2**26 elements.
 
     Dynamo calls the backend once per graph: several times after graph breaks or when DDP splits
     the graph into buckets. Each call is rewritten on its own and leaves a report in ``reports``.
     """
 
     def __init__(
-        self, context: SPContext | None, *, compiler: Compiler = "inductor", sac: bool | str = True
+        self,
+        context: SPContext | None,
+        *,
+        compiler: Compiler = "inductor",
+        sac: bool | str = True,
+        chunked_loss: bool = True,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
-        check_backend_options(compiler, sac)
+        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens)
         self.context = context
         self.compiler = compiler
         self.sac = sac
+        self.chunked_loss = chunked_loss
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.reports: list[SPReport] = []
+        self.loss_reports: list[ChunkedLossReport] = []
         self.partitioner = SequenceAwarePartitioner({True: "all", False: "off", "auto": "auto"}[sac])
 
     @property
@@ -67,6 +91,9 @@ class AutoSPBackend:
         if self.context is not None:
             gm, report = sequence_parallel_pass(gm, example_inputs, self.context)
             self.reports.append(report)
+        if self.chunked_loss:  # after SP: it chunks the loss of this rank's tokens
+            self.loss_reports.append(ChunkedLossReport())
+            chunked_loss_pass(gm, self.loss_reports[-1], chunk_tokens=self.loss_chunk_tokens)
         if self.compiler == "inductor":
             patches = {"custom_partitioner_fn": self.partitioner}
             return compile_fx(gm, example_inputs, config_patches=patches)

@@ -261,3 +261,28 @@ def _shift_backward(ctx, grad: Tensor):
 
 
 shift_from_next.register_autograd(_shift_backward, setup_context=_shift_setup_context)
+
+
+@torch.library.custom_op("autosp::gather_sequence", mutates_args=())
+def gather_sequence(x: Tensor, dim: int, seq_lens: list[int], group_name: str) -> Tensor:
+    """All-gather of per-token data along ``dim``: [B, S_r, ...] -> [B, S, ...] on every rank.
+
+    For integer data the SP pass needs whole (document ids, position ids behind a packed-sequence
+    mask: Note [Packed sequences] in ``compiler/packed.py``); it has no gradient. Shards may be
+    uneven: each rank sends its shard padded to the longest one, so the collective is the same on all.
+    """
+    if x.is_floating_point() or x.is_complex():
+        raise TypeError(f"gather_sequence gathers integer or bool per-token data, not {x.dtype}.")
+    longest = max(seq_lens)
+    padded = x.new_zeros([*x.shape[:dim], longest, *x.shape[dim + 1 :]])
+    padded.narrow(dim, 0, x.shape[dim]).copy_(x)
+    gathered = [torch.empty_like(padded) for _ in seq_lens]
+    dist.all_gather(gathered, padded, group=_group(group_name))
+    return torch.cat([part.narrow(dim, 0, length) for part, length in zip(gathered, seq_lens)], dim=dim)
+
+
+@gather_sequence.register_fake
+def _(x: Tensor, dim: int, seq_lens: list[int], group_name: str) -> Tensor:
+    shape = list(x.shape)
+    shape[dim] = sum(seq_lens)
+    return x.new_empty(shape)

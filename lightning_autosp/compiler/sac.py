@@ -38,7 +38,11 @@ _ATTENTION_OPS = {
     "_flash_attention_forward",
     "_efficient_attention_forward",
     "ring_attention",  # compiler/ring.py (its FLOPs here count the local K/V block only)
+    "_flash_attn_forward",  # flash-attn 2.x (compiler/flash.py)
+    "_flash_attn_varlen_forward",
 }
+# flash-attn's q/k/v are [B, S, H, D], or [T, H, D] for varlen (FLOPs counted as one document: a bound).
+_SEQUENCE_FIRST_ATTENTION_OPS = {"_flash_attn_forward", "_flash_attn_varlen_forward"}
 
 
 def _op_name(node: fx.Node) -> str:
@@ -196,6 +200,9 @@ def _value(node: object) -> object:
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one ATen node from its fake values (matmuls, attention); other ops count 0."""
     packet = getattr(node.target, "_overloadpacket", None)
+    if _op_name(node) in _SEQUENCE_FIRST_ATTENTION_OPS:
+        query, key = _value(node.args[0]), _value(node.args[1])
+        return 4 * query.shape[:-1].numel() * key.shape[-3] * query.shape[-1]
     if _op_name(node) in _ATTENTION_OPS:
         query, key = _value(node.args[0]), _value(node.args[1])
         batch_heads = query.shape[:-2].numel()

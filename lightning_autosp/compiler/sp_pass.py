@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
 from lightning_autosp.compiler.analysis import (
@@ -36,7 +37,6 @@ from lightning_autosp.compiler.analysis import (
     bind,
     example_value,
     find_attention,
-    find_flash_attention,
     find_manual_attention,
     find_sharded_inputs,
     index_position,
@@ -46,6 +46,7 @@ from lightning_autosp.compiler.analysis import (
     non_sequence_sizes,
     propagate_sequence_layout,
 )
+from lightning_autosp.compiler.ring import fetch_plan, ring_args
 from lightning_autosp.data import SequenceShard
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class SPReport:
 
     attention: list[str] = field(default_factory=list)
     all_to_alls: int = 0
+    ring_attention: list[str] = field(default_factory=list)
     replicated_kv_heads: list[str] = field(default_factory=list)
     masks: list[str] = field(default_factory=list)
     positions: list[str] = field(default_factory=list)
@@ -69,6 +71,7 @@ class SPReport:
         out = [f"attention nodes: {len(self.attention)} ({', '.join(self.attention) or 'none'})"]
         out.append(f"all-to-alls inserted: {self.all_to_alls}")
         for title, items in (
+            ("ring attention (K/V passed around the ring group)", self.ring_attention),
             ("KV heads replicated", self.replicated_kv_heads),
             ("masks rebuilt at global length", self.masks),
             ("positions made global", self.positions),
@@ -87,6 +90,9 @@ class SPContext:
     shard: SequenceShard
     group_name: str
     seq_dim: int = 1
+    # With ring_degree > 1: the sub-groups of the sp group (Note [Ring layouts] in data.py).
+    ulysses_group_name: str | None = None
+    ring_group_name: str | None = None
 
     def check_unambiguous(self, other_sizes: set[int], what: str) -> None:
         """Sequence sizes are recognized by value: refuse when another batch dim has the same value."""
@@ -103,17 +109,22 @@ class SPContext:
     def comm_args(self) -> tuple[list[int], int, str]:
         return list(self.shard.seq_lens), self.shard.rank, self.group_name
 
+    @property
+    def ulysses_comm_args(self) -> tuple[list[int], int, str]:
+        """The all-to-all's arguments over this rank's Ulysses group (all of sp when ring_degree is 1)."""
+        if self.shard.ring_degree == 1:
+            return self.comm_args
+        return list(self.shard.ulysses_seq_lens), self.shard.ulysses_rank, self.ulysses_group_name
+
 
 def sequence_parallel_pass(
     gm: fx.GraphModule, example_inputs: Sequence[object], ctx: SPContext, report: SPReport | None = None
 ) -> tuple[fx.GraphModule, SPReport]:
     """Run the SP passes in order on one (sub-)graph."""
+    # flash.py builds on this module's helpers, so it is imported where it is used.
+    from lightning_autosp.compiler.flash import insert_flash_all_to_all_pass
+
     report = report if report is not None else SPReport()
-    if find_flash_attention(gm):
-        raise NotImplementedError(
-            "flash-attn calls are not rewritten yet; use F.scaled_dot_product_attention "
-            "(HF: attn_implementation='sdpa')."
-        )
     sharded = find_sharded_inputs(gm, example_inputs, ctx.shard, ctx.seq_dim)
     layouts, derived = propagate_sequence_layout(gm, sharded)
     other_sizes = non_sequence_sizes(sharded)
@@ -124,8 +135,10 @@ def sequence_parallel_pass(
             "would only see this rank's tokens. Compute attention with "
             "torch.nn.functional.scaled_dot_product_attention so the SP pass can rewrite it."
         )
+    check_layout_supported(gm, ctx, derived)
     globalize_split_masks_pass(gm, example_inputs, ctx, report, derived=derived, other_sizes=other_sizes)
     insert_all_to_all_pass(gm, ctx, report, derived=derived, other_sizes=other_sizes)
+    insert_flash_all_to_all_pass(gm, ctx, report, derived=derived)
     gm.graph.eliminate_dead_code()  # the per-rank masks replaced by global ones
     globalize_positions_pass(gm, ctx, report, other_sizes=other_sizes)
     globalize_sequence_slices_pass(gm, ctx, report, layouts=layouts)
@@ -134,6 +147,26 @@ def sequence_parallel_pass(
     gm.graph.lint()
     gm.recompile()
     return gm, report
+
+
+def check_layout_supported(gm: fx.GraphModule, ctx: SPContext, derived: set[fx.Node]) -> None:
+    """Refuse what assumes the shards concatenate, in rank order, to the sequence, under a layout of
+    several ranges per rank (zigzag, Note [Ring layouts]): flash-attn calls (their all-to-all spans
+    all of sp) and masks rebuilt from gathered per-token inputs (packed sequences)."""
+    if ctx.shard.is_contiguous:
+        return
+    from lightning_autosp.compiler.flash import find_flash_attention  # builds on this module
+    from lightning_autosp.compiler.packed import is_token_mask
+
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    names = [m.name for m in find_flash_attention(gm)]
+    names += [m.node.name for m in find_attention(gm) if m.attn_mask is not None and m.attn_mask in derived]
+    names += [v.name for v in output.all_input_nodes if v in derived and is_token_mask(v, derived)]
+    if names:
+        raise NotImplementedError(
+            f"{', '.join(names)}: flash-attn calls and masks built from per-token inputs (packed sequences) "
+            "are not supported with ring_layout='zigzag' yet. Use AutoSPStrategy(ring_layout='contiguous')."
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,21 +195,23 @@ def insert_all_to_all_pass(
     K/V with fewer heads than can be split over P (GQA, H_kv % P != 0) are first repeated to
     lcm(H_kv, P) heads, which keeps every q head paired with its own KV head.
 
+    With ring_degree R > 1, P is the Ulysses degree U = sp_size / R: the all-to-all runs over the U
+    ranks of this rank's ring rank, and ring attention over the R ring ranks takes SDPA's place::
+
+        q, k, v [B, H, S_r, D] -> seq_to_head -> [B, H/U, L_i, D] -> ring_attention -> [B, H/U, L_i, D]
+            -> head_to_seq -> [B, H, S_r, D]         (L_i: ring rank i's tokens, Note [Ring layouts])
+
     Raises:
-        ValueError: the q heads do not divide by sp_size.
+        ValueError: the q heads do not divide by sp_size (by the Ulysses degree under ring attention).
         NotImplementedError: the attention mask depends on per-token inputs.
     """
-    world = ctx.shard.world
+    world = ctx.shard.ulysses_degree
     graph = gm.graph
     for match in find_attention(gm):
         q_val, k_val = example_value(match.query), example_value(match.key)
         heads, kv_heads = q_val.shape[match.head_dim], k_val.shape[match.head_dim]
         if heads % world:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ValueError(
-                f"sp_size={world} must divide the number of attention heads ({heads}) of {match.node.name}; "
-                f"use one of {divisors}."
-            )
+            raise ValueError(_heads_error(ctx.shard, heads, match.node.name))
         if q_val.shape[match.seq_dim] != ctx.shard.local_len:
             raise NotImplementedError(
                 f"Attention {match.node.name} has {q_val.shape[match.seq_dim]} query positions but this "
@@ -193,12 +228,17 @@ def insert_all_to_all_pass(
                 report.replicated_kv_heads.append(f"{match.node.name}: {kv_heads} -> {kv_heads * repeats}")
             dims = (match.head_dim, match.seq_dim)
             q, k, v = (
-                _call(graph, torch.ops.autosp.seq_to_head.default, (t, *dims, *ctx.comm_args))
+                _call(graph, torch.ops.autosp.seq_to_head.default, (t, *dims, *ctx.ulysses_comm_args))
                 for t in (match.query, key, value)
             )
             mask = args["attn_mask"]
             if mask is not None:
                 ctx.check_unambiguous(other_sizes, f"the attention mask of {match.node.name}")
+            if mask is not None and mask not in derived and is_causal_mask(gm, mask, ctx):
+                # An S x S mask per rank would grow with the global length; is_causal needs none.
+                mask, args["is_causal"] = None, True
+                report.masks.append(f"{match.node.name}: causal mask -> is_causal=True")
+            elif mask is not None:
                 mask = _global_mask(graph, mask, ctx, heads, derived, match)
                 report.masks.append(f"{match.node.name}: {mask.name}")
         args.update(query=q, key=k, value=v, attn_mask=mask)
@@ -207,12 +247,125 @@ def insert_all_to_all_pass(
             name: args[name] for name in ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         }
         _set_fake_value(match.node)  # now [B, H/P, S, D]
-        with graph.inserting_after(match.node):
-            back = _call(graph, torch.ops.autosp.head_to_seq.default, (match.node, *dims, *ctx.comm_args))
-        _redirect_uses(match.node, back)
+        attention = match.node
+        if ctx.shard.ring_degree > 1:
+            attention = _lower_to_ring_attention(graph, match, ctx)
+            report.ring_attention.append(match.node.name)
+        with graph.inserting_after(attention):
+            back = _call(
+                graph, torch.ops.autosp.head_to_seq.default, (attention, *dims, *ctx.ulysses_comm_args)
+            )
+        _redirect_uses(attention, back)
         report.attention.append(match.node.name)
         report.all_to_alls += 4
     return gm
+
+
+def _heads_error(shard: SequenceShard, heads: int, name: str) -> str:
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    if shard.ring_degree == 1:
+        return (
+            f"sp_size={shard.world} must divide the number of attention heads ({heads}) of {name}; "
+            f"use one of {divisors}, or AutoSPStrategy(ulysses_degree='auto') to run the rest of sp as "
+            "ring attention."
+        )
+    usable = [d for d in divisors if shard.world % d == 0]
+    return (
+        f"ulysses_degree={shard.ulysses_degree} must divide the number of attention heads ({heads}) of "
+        f"{name}; use ulysses_degree='auto' or one of {usable}."
+    )
+
+
+def _lower_to_ring_attention(graph: fx.Graph, match: AttentionMatch, ctx: SPContext) -> fx.Node:
+    """Replace the (all-to-all'd) SDPA call by ring attention over the ring group; returns its output.
+
+    ``enable_gqa`` needs no flag: the ring op pairs q head h with K/V head h // (H / H_kv) as SDPA does.
+    """
+    sdpa = match.node
+    args = bind(sdpa, _SDPA_SIGNATURE)
+    if args["dropout_p"] not in (0, 0.0):
+        raise NotImplementedError(
+            f"{sdpa.name}: attention dropout (dropout_p={args['dropout_p']}) is not supported with ring "
+            "attention; set the attention dropout to 0, or use an sp_size that divides the heads."
+        )
+    mask = example_value(args["attn_mask"])
+    if mask is not None and mask.requires_grad:
+        raise NotImplementedError(
+            f"{sdpa.name}: an attention mask that needs a gradient (a learned bias) is not supported with "
+            "ring attention; use an sp_size that divides the heads."
+        )
+    bounds, range_counts, ring_rank = ring_args(ctx.shard)
+    operands = (args["query"], args["key"], args["value"], args["attn_mask"], bool(args["is_causal"]))
+    with graph.inserting_before(sdpa):
+        pair = _call(
+            graph,
+            torch.ops.autosp.ring_attention.default,
+            (*operands, args["scale"], bounds, range_counts, ring_rank, ctx.ring_group_name),
+        )
+        out = _call(graph, operator.getitem, (pair, 0))
+    sdpa.replace_all_uses_with(out)
+    graph.erase_node(sdpa)
+    return out
+
+
+_MAX_PROBE_ENTRIES = 1 << 24
+
+
+def is_causal_mask(gm: fx.GraphModule, mask: fx.Node, ctx: SPContext) -> bool:
+    """Whether ``mask``, built from sizes alone, is the plain causal mask (HF builds one so).
+
+    The mask's producers are evaluated at a probe length n: S itself when S x S is small, else a
+    length past every integer constant in them, so that a sliding window or an offset shows up as a
+    difference from ``tril``. Boolean masks must equal ``tril``; additive ones must be 0 on it and
+    at most half the dtype's minimum off it (exp() of that is exactly 0 against any real score).
+    """
+    producers = _ancestors(mask)
+    if any(n.op == "placeholder" for n in producers):
+        return False
+    local, total = ctx.shard.local_len, ctx.shard.global_len
+    constants = [abs(c) for n in producers for c in _ints((n.args, n.kwargs)) if c != local]
+    probe = min(total, max(16, 2 * max(constants, default=0) + 2))
+    if probe * probe > _MAX_PROBE_ENTRIES:
+        log.info("mask %s: not probed for causality (probe length %d too long); kept dense", mask, probe)
+        return False
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for producer in gm.graph.nodes:
+        if producer in producers:
+            copy = graph.node_copy(producer, lambda n: copies[n])
+            copy.args = _replace_int(copy.args, local, probe)
+            copy.kwargs = _replace_int(copy.kwargs, local, probe)
+            copies[producer] = copy
+    graph.output(copies[mask])
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            value = fx.GraphModule(gm, graph)()
+    except Exception as error:  # a producer that needs its traced context: keep the dense mask
+        log.info("mask %s: could not be evaluated at length %d (%s); kept dense", mask, probe, error)
+        return False
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[-2:]) != (probe, probe):
+        return False
+    causal = torch.ones(probe, probe, dtype=torch.bool).tril()
+    if value.dtype == torch.bool:
+        return bool((value == causal).all())
+    if not value.is_floating_point():
+        return False
+    blocked = value <= torch.finfo(value.dtype).min / 2
+    return bool(((value == 0) == causal).all() and (blocked != causal).all())
+
+
+def _ints(value: object) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, slice):
+        return _ints((value.start, value.stop, value.step))
+    if isinstance(value, (tuple, list)):
+        return [i for v in value for i in _ints(v)]
+    if isinstance(value, dict):
+        return _ints(list(value.values()))
+    return []
 
 
 def _global_mask(
@@ -223,34 +376,39 @@ def _global_mask(
     Masks are built from shapes (``torch.ones(T, T).triu()``, a buffer sliced ``[:T, :T]``,
     ``arange`` comparisons): a copy of that sub-graph with S_r replaced by S gives the mask the
     attention sees after the all-to-all. The copy leaves the originals to their other users.
+    A mask computed from per-token inputs (packed documents) is rebuilt from their gathered values.
     """
-    if mask in derived:
-        raise NotImplementedError(
-            f"The attention mask of {match.node.name} is computed from per-token inputs (e.g. a padding "
-            "attention_mask), which the SP pass cannot rebuild for the whole sequence yet. Drop the padding "
-            "mask (causal LM with ignore_index labels needs none) or use is_causal=True."
-        )
     local = ctx.shard.local_len
     if local < 2:
         raise NotImplementedError(
             f"Each sp rank holds {local} token(s); masks need at least 2 per rank to be rebuilt. "
             "Use longer sequences or a smaller sp_size."
         )
-    global_mask = _rebuild_at_global_length(graph, mask, ctx)
+    if mask in derived:
+        from lightning_autosp.compiler.packed import globalize_token_mask  # builds on this module
+
+        global_mask = globalize_token_mask(graph, mask, ctx, derived, user=match.node.name)
+    else:
+        global_mask = _rebuild_at_global_length(graph, mask, ctx)
     value = example_value(mask)
     if value is not None and value.dim() == 4 and value.shape[1] == heads and heads > 1:
-        per_rank = heads // ctx.shard.world
-        start = ctx.shard.rank * per_rank
+        per_rank = heads // ctx.shard.ulysses_degree
+        start = ctx.shard.ulysses_rank * per_rank
         index = (slice(None), slice(start, start + per_rank))
         global_mask = _call(graph, operator.getitem, (global_mask, index))
     return global_mask
 
 
-def _rebuild_at_global_length(graph: fx.Graph, node: fx.Node, ctx: SPContext) -> fx.Node:
-    """A copy of ``node``'s producers (at the insertion point) with every size S_r replaced by S."""
+def _rebuild_at_global_length(
+    graph: fx.Graph, node: fx.Node, ctx: SPContext, inputs: dict[fx.Node, fx.Node] | None = None
+) -> fx.Node:
+    """A copy of ``node``'s producers (at the insertion point) with every size S_r replaced by S.
+
+    ``inputs`` replaces graph inputs in the copy (per-token inputs by their gathered values).
+    """
     local, total = ctx.shard.local_len, ctx.shard.global_len
     producers = _ancestors(node)
-    copies: dict[fx.Node, fx.Node] = {}
+    copies: dict[fx.Node, fx.Node] = dict(inputs or {})
     for producer in list(graph.nodes):
         if producer not in producers or producer.op in ("placeholder", "get_attr"):
             continue
@@ -297,6 +455,8 @@ def globalize_split_masks_pass(
     Before: ``graph_0: mask [S_r, S_r] -> output``; ``graph_1: mask [S_r, S_r] -> sdpa``.
     After:  ``graph_0: mask [S, S] -> output``;     ``graph_1: mask [S, S] -> a2a'd sdpa``.
     """
+    from lightning_autosp.compiler.packed import globalize_token_mask, is_token_mask  # builds on this module
+
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     rebuilt: dict[fx.Node, fx.Node] = {}
@@ -307,6 +467,10 @@ def globalize_split_masks_pass(
             with graph.inserting_before(output):
                 rebuilt[value] = _rebuild_at_global_length(graph, value, ctx)
             report.masks.append(f"{value.name}: handed on at global length")
+        elif value.op != "placeholder" and local_mask and is_token_mask(value, derived):
+            ctx.check_unambiguous(other_sizes, f"the mask {value.name}")
+            rebuilt[value] = globalize_token_mask(graph, value, ctx, derived, user="the next graph")
+            report.masks.append(f"{value.name}: handed on at global length, from gathered per-token inputs")
     if rebuilt:
         output.args = torch.fx.node.map_arg(output.args, lambda n: rebuilt.get(n, n))
 
@@ -366,18 +530,35 @@ def globalize_positions_pass(
 
     Before: ``pos = arange(S_r)`` -> [0, ..., S_r - 1]
     After:  ``pos = arange(o_r, o_r + S_r)`` -> [o_r, ..., o_r + S_r - 1], o_r = sum of earlier shards.
+    A shard of several ranges (zigzag, Note [Ring layouts]) gets ``cat([arange(a, b), ...])``.
     """
-    local, offset = ctx.shard.local_len, ctx.shard.offset
-    for node in gm.graph.nodes:
+    local = ctx.shard.local_len
+    for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.arange or node.meta.get(_GLOBAL_MASK):
             continue
         start, end, step, kwargs = _arange_args(node)
         if (start, end, step) != (0, local, 1):
             continue
         ctx.check_unambiguous(other_sizes, f"arange({local})")
+        if len(ctx.shard.ranges) > 1:
+            _replace_by_ranges(gm.graph, node, ctx.shard, kwargs)
+            report.positions.append(f"{node.name}: arange({local}) -> positions {list(ctx.shard.ranges)}")
+            continue
+        offset = ctx.shard.ranges[0][0]
         node.args, node.kwargs = (offset, offset + local), kwargs
         report.positions.append(f"{node.name}: arange({local}) -> arange({offset}, {offset + local})")
     return gm
+
+
+def _replace_by_ranges(graph: fx.Graph, node: fx.Node, shard: SequenceShard, kwargs: dict) -> None:
+    with graph.inserting_before(node):
+        pieces = [_call(graph, torch.arange, (start, end), kwargs) for start, end in shard.ranges]
+        positions = _call(graph, torch.cat, (pieces,))
+    for inserted in (*pieces, positions):
+        inserted.meta[_GLOBAL_MASK] = True
+        _set_fake_value(inserted)
+    node.replace_all_uses_with(positions)
+    graph.erase_node(node)
 
 
 def _arange_args(node: fx.Node) -> tuple[object, object, object, dict]:
@@ -448,6 +629,8 @@ def _rewrite_slice(graph: fx.Graph, node: fx.Node, layout: SeqLayout, ctx: SPCon
         )
     out_len = max(0, stop - start)
     shard = ctx.shard
+    if not shard.is_contiguous:
+        return _rewrite_slice_by_positions(graph, node, layout, ctx, start, out_len, items, position)
 
     def plan(rank: int) -> tuple[int, int, int]:
         """(local start, local length, halo length) for ``rank``."""
@@ -483,6 +666,47 @@ def _rewrite_slice(graph: fx.Graph, node: fx.Node, layout: SeqLayout, ctx: SPCon
     return replacement
 
 
+def _rewrite_slice_by_positions(
+    graph: fx.Graph,
+    node: fx.Node,
+    layout: SeqLayout,
+    ctx: SPContext,
+    start: int,
+    out_len: int,
+    items: list,
+    position: int,
+) -> fx.Node:
+    """``x[.., start : start + out_len, ..]`` under a layout of several ranges per rank (zigzag): each
+    element comes from this rank's shard or, at a range's end, from the rank holding the next range."""
+    export_index, export_count, take = fetch_plan(ctx.shard, layout.global_len, start, out_len)
+    source = node.args[0]
+    first = take[0] if take else 0
+    with graph.inserting_before(node):
+        if not export_count and take == list(range(first, first + len(take))):
+            # Nothing crosses ranks and this rank's part is one run (``logits[:, :-1]``): a plain narrow.
+            seq_fixed = _call(graph, torch.narrow, (source, layout.dim, first, len(take)))
+        else:
+            args = (source, layout.dim, export_index, export_count, take, ctx.shard.world, ctx.group_name)
+            seq_fixed = _call(graph, torch.ops.autosp.fetch_positions.default, args)
+        items[position] = slice(None)
+        if all(i == slice(None) or i is Ellipsis for i in items):
+            return seq_fixed
+        return _call(graph, operator.getitem, (seq_fixed, tuple(items)))
+
+
+def _pad_counts(shard: SequenceShard, in_len: int, out_len: int) -> tuple[int, int, int]:
+    """(this rank's input length, how many of its input elements stay, how many pad elements follow)
+    when a sequence-derived tensor of ``in_len`` positions is right-padded to ``out_len``."""
+    if shard.is_contiguous:
+        lo, hi = shard.owned_range(out_len)
+        lo_in, hi_in = shard.owned_range(in_len)
+        return hi_in - lo_in, min(hi, in_len) - lo, hi - max(lo, in_len)
+    # Every rank's positions ascend, so the pad positions (>= in_len) are a suffix of its shard.
+    owned = shard.positions(out_len)
+    keep = sum(p < in_len for p in owned)
+    return len(shard.positions(in_len)), keep, len(owned) - keep
+
+
 def _rewrite_pad(graph: fx.Graph, node: fx.Node, layout: SeqLayout, ctx: SPContext) -> fx.Node:
     source = node.args[0]
     pads = list(node.args[1] if len(node.args) > 1 else node.kwargs["pad"])
@@ -494,14 +718,9 @@ def _rewrite_pad(graph: fx.Graph, node: fx.Node, layout: SeqLayout, ctx: SPConte
             f"{node.name}: padding at the start of the sequence ({left}) is not supported under SP."
         )
     out_len = layout.global_len + right
-    lo, hi = ctx.shard.owned_range(out_len)
-    lo_in, hi_in = ctx.shard.owned_range(layout.global_len)
-    keep = min(hi, layout.global_len) - lo
-    fill = hi - max(lo, layout.global_len)
+    local_in, keep, fill = _pad_counts(ctx.shard, layout.global_len, out_len)
     with graph.inserting_before(node):
-        narrowed = (
-            source if keep == hi_in - lo_in else _call(graph, torch.narrow, (source, layout.dim, 0, keep))
-        )
+        narrowed = source if keep == local_in else _call(graph, torch.narrow, (source, layout.dim, 0, keep))
         pads[2 * padded_dim : 2 * padded_dim + 2] = [0, max(0, fill)]
         if any(pads):
             replacement = _call(graph, F.pad, (narrowed, tuple(pads), *node.args[2:]), dict(node.kwargs))

@@ -1,0 +1,231 @@
+"""Fully sharded data parallel (PyTorch FSDP2, ``fully_shard``) under AutoSP: ``data_parallel="fsdp"``.
+
+Parameters, gradients and optimizer state are sharded over all dp x sp ranks (a 1-D mesh over the
+world), ZeRO-3 style between steps; the SP and SAC passes are untouched because FSDP2's hooks run
+outside the compiled graphs. Gradients come out exactly as with ``data_parallel="ddp"``: FSDP2's
+reduce-scatter averages over the world, as DDP's all-reduce does, and the loss all-reduce's backward
+supplies the sp factor (Note [Loss over sequence shards] in ``compiler/sp_pass.py``).
+
+Note [FSDP units under a compiled step]
+    FSDP2 (torch 2.13) wraps its forward hooks in ``torch._dynamo.disable``: calling an FSDP unit from
+    compiled code is a graph break. A graph break inside a ``for`` loop makes Dynamo skip the whole
+    frame (``graph break in loop``), and every transformer runs its blocks in such a loop, so sharding
+    the blocks as units would run the model's outer frame (positions, masks, the residual stream)
+    eagerly, without sequence parallelism; the strategy then raises. The units are therefore the
+    LightningModule's children that hold parameters (e.g. ``self.model``): the step calls them
+    outside any loop, Dynamo breaks the graph at the call and compiles the model's ``forward`` as a
+    frame of its own, and the SP pass rewrites each sub-graph. The price: a unit is all-gathered whole
+    for the step, so the in-step peak holds the full parameters and gradients of the largest unit (with
+    the usual single ``self.model``, the whole model); between steps, and for the optimizer state
+    always, each rank holds 1/world. Units the user shards in ``configure_model`` are kept, and work
+    when the model calls them outside loops (e.g. the LM head; tested).
+
+Checkpoints follow Lightning's ``ModelParallelStrategy``: a full state dict assembled on rank 0 (a
+plain Lightning checkpoint, interchangeable with ``data_parallel="ddp"`` and loadable on one device),
+or with ``save_distributed_checkpoint=True`` a directory with one shard per rank
+(``torch.distributed.checkpoint``). Lightning's private checkpoint helpers are imported here only.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save, _is_sharded_checkpoint
+from lightning.fabric.strategies.model_parallel import _load_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+DataParallel = Literal["ddp", "fsdp"]
+WORLD = "dp_sp"
+
+
+def check_data_parallel(
+    data_parallel: object, save_distributed_checkpoint: object, ddp_kwargs: Mapping[str, Any]
+) -> None:
+    """Raise on bad ``data_parallel`` options, before any process starts."""
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"data_parallel={data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
+    if data_parallel == "fsdp" and ddp_kwargs:
+        raise ValueError(
+            f"{sorted(ddp_kwargs)} are DistributedDataParallel options, which do nothing with "
+            "data_parallel='fsdp'; remove them, or shard your own way in configure_model with fully_shard."
+        )
+    if save_distributed_checkpoint and data_parallel != "fsdp":
+        raise ValueError(
+            "save_distributed_checkpoint=True needs sharded state; use data_parallel='fsdp' (with 'ddp' "
+            "every rank holds the whole model and checkpoints are single files)."
+        )
+
+
+def build_world_mesh(device_type: str, world_size: int) -> DeviceMesh:
+    """A 1-D mesh over all dp x sp ranks (it reuses the default process group)."""
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=(WORLD,))
+
+
+def default_shard_units(module: nn.Module) -> list[nn.Module]:
+    """The children of ``module`` that hold parameters: the FSDP units.
+
+    See Note [FSDP units under a compiled step]. Raises NotImplementedError when ``module`` registers
+    parameters itself: no unit would own them.
+    """
+    own = [name for name, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise NotImplementedError(
+            f"data_parallel='fsdp' shards the LightningModule's submodules, but {own} are parameters of the "
+            "LightningModule itself. Move them into a submodule, or shard in configure_model with "
+            "fully_shard(submodule) (its default mesh is all ranks)."
+        )
+    return [child for child in module.children() if next(child.parameters(), None) is not None]
+
+
+def shard_module(module: nn.Module, mesh: DeviceMesh) -> None:
+    """``fully_shard`` each unit of ``module`` over ``mesh``, unless the user sharded it in configure_model.
+
+    A user's own sharding is kept as it is, once checked: every parameter must be a DTensor spread over
+    all ranks (``fully_shard``'s default mesh, or a 2-D one for HSDP), or gradients would not be summed
+    over the sp ranks that each hold part of them.
+    """
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        check_user_sharding(module, mesh.size())
+        return
+    for unit in default_shard_units(module):
+        fully_shard(unit, mesh=mesh)
+
+
+def check_user_sharding(module: nn.Module, world_size: int) -> None:
+    """Raise unless every parameter is sharded over all ``world_size`` ranks; warn on units in containers."""
+    unsharded = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+    partial = [
+        f"{name} (mesh of {p.device_mesh.size()})"
+        for name, p in module.named_parameters()
+        if isinstance(p, DTensor) and p.device_mesh.size() != world_size
+    ]
+    if unsharded or partial:
+        raise ValueError(
+            f"With data_parallel='fsdp' every parameter must be sharded over all {world_size} ranks "
+            f"(dp x sp); not sharded: {unsharded[:5]}, sharded over fewer ranks: {partial[:5]}. In "
+            "configure_model, call fully_shard(submodule) (default mesh: all ranks) on submodules covering "
+            "all parameters, or leave the sharding to the strategy."
+        )
+    in_containers = [
+        f"{name}.{child_name}"
+        for name, container in module.named_modules()
+        if isinstance(container, nn.ModuleList | nn.ModuleDict | nn.Sequential)
+        for child_name, child in container.named_children()
+        if isinstance(child, FSDPModule)
+    ]
+    if in_containers:
+        rank_zero_warn(
+            f"FSDP units {in_containers[:3]} sit in a module container; FSDP2's hooks are graph breaks, and "
+            "one inside a loop over layers makes torch.compile skip that frame, which AutoSP reports as an "
+            "error. "
+            "Shard the model's top-level submodule instead (the default with data_parallel='fsdp')."
+        )
+
+
+def setup_fully_sharded(strategy: DDPStrategy, trainer: pl.Trainer, mesh: DeviceMesh) -> None:
+    """``DDPStrategy.setup`` with FSDP2 in place of DDP (for evaluation too: the weights stay sharded)."""
+    strategy.accelerator.setup(trainer)
+    strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+    strategy.model_to_device()
+    shard_module(strategy.model, mesh)
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:
+        strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    if fitting:
+        _optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def model_state_dict(module: nn.Module, *, full: bool) -> dict[str, Any]:
+    """Full (on rank 0; empty elsewhere) or this rank's shards, on the CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, *, full: bool, rank: int) -> dict[str, Any]:
+    """Like :func:`model_state_dict`; a full one is keyed by parameter index, as a DDP checkpoint is."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    options = StateDictOptions(full_state_dict=full, cpu_offload=True)
+    state = get_optimizer_state_dict(module, optimizer, options=options)
+    if full and rank == 0:
+        state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, module)
+    return state
+
+
+def save_distributed_checkpoint(checkpoint: dict[str, Any], path: Path, *, rank: int) -> None:
+    """Every rank writes its shards of the weights and optimizer states to the directory ``path``."""
+    if path.is_file():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    shards = {"state_dict": checkpoint.pop("state_dict")}
+    shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    _distributed_checkpoint_save(shards, path)
+    if rank == 0:
+        torch.save(checkpoint, path / _METADATA_FILENAME)
+
+
+def remove_distributed_checkpoint(path: Path) -> None:
+    """A full checkpoint is about to be written where a distributed one (a directory) is."""
+    if _is_sharded_checkpoint(path):
+        shutil.rmtree(path)
+
+
+def load_checkpoint(
+    path: Path, module: nn.Module, optimizers: Iterable[Optimizer], *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Load weights and optimizer states in place (full file or distributed directory); return the rest."""
+    state: dict[str, Any] = {"state_dict": module}
+    state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)})
+    return _load_checkpoint(
+        path=path, state=state, strict=strict, optimizer_states_from_list=True, weights_only=weights_only
+    )
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def local_state_bytes(module: nn.Module, optimizers: Iterable[Optimizer]) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (its shards under FSDP)."""
+
+    def nbytes(tensors: Iterable[Any]) -> int:
+        total = 0
+        for tensor in tensors:
+            if isinstance(tensor, Tensor):
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                total += local.numel() * local.element_size()
+        return total
+
+    params = list(module.parameters())
+    state: list[Any] = []
+    for optimizer in optimizers:
+        for per_param in getattr(optimizer, "state", {}).values():
+            if isinstance(per_param, Mapping):
+                state.extend(per_param.values())
+    return {
+        "params": nbytes(params),
+        "grads": nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer": nbytes(state),
+    }
