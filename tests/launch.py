@@ -45,3 +45,91 @@ def torchrun(ranks: int, script: Path, *args: str, timeout: float) -> tuple[int,
         _, stderr = process.communicate()
         pytest.fail(f"the job hung: still running after {timeout:.0f} s\n{stderr[-6000:]}")
     return process.returncode, stderr, time.monotonic() - start
+
+
+def _wait_all(processes: list[subprocess.Popen], timeout: float, start: float) -> tuple[list[int], str]:
+    """Return codes and the stderr of every process; past ``timeout`` every process and child is killed."""
+    stderr = []
+    try:
+        for process in processes:
+            _, err = process.communicate(timeout=max(timeout - (time.monotonic() - start), 1))
+            stderr.append(err)
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            for child in [*psutil.Process(process.pid).children(recursive=True), process]:
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                    child.kill()
+        pytest.fail(f"the job hung: still running after {timeout:.0f} s")
+    return [process.returncode for process in processes], "\n".join(stderr)
+
+
+def torchrun_nodes(
+    nodes: int, ranks_per_node: int, script: Path, *args: str, timeout: float
+) -> tuple[list[int], str, float]:
+    """One ``torchrun --nnodes=nodes --node_rank=k`` per "node", all on this machine (static rendezvous).
+
+    (return code per node, stderr, seconds); the same no-orphans rule as :func:`torchrun`.
+    """
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.monotonic()
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--node_rank={node}",
+                f"--nproc_per_node={ranks_per_node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(script),
+                *args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for node in range(nodes)
+    ]
+    codes, stderr = _wait_all(processes, timeout, start)
+    return codes, stderr, time.monotonic() - start
+
+
+def slurm_tasks(
+    nodes: int, tasks_per_node: int, script: Path, *args: str, timeout: float
+) -> tuple[list[int], str, float]:
+    """One process per task, with the environment ``srun`` gives it (``--nodes``, ``--ntasks-per-node``).
+
+    Lightning's ``SLURMEnvironment`` reads ranks from these variables; MASTER_ADDR/MASTER_PORT are set as an
+    sbatch script does. (return code per task, stderr, seconds).
+    """
+    world = nodes * tasks_per_node
+    torchrun_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}
+    inherited = ("SLURM_", "TORCHELASTIC_")
+    base = {k: v for k, v in os.environ.items() if k not in torchrun_vars and not k.startswith(inherited)}
+    base.update(
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="autosp-test",
+        SLURM_NNODES=str(nodes),
+        SLURM_NTASKS=str(world),
+        SLURM_NTASKS_PER_NODE=str(tasks_per_node),
+        SLURM_NODELIST="127.0.0.1",
+    )
+    start = time.monotonic()
+    processes = []
+    for rank in range(world):
+        node, local = divmod(rank, tasks_per_node)
+        env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node)}
+        command = [sys.executable, str(script), *args]
+        processes.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        )
+    codes, stderr = _wait_all(processes, timeout, start)
+    return codes, stderr, time.monotonic() - start

@@ -12,6 +12,8 @@ Checks (2 ranks):
 - ``bad_input``: malformed batches must fail in ``batch_to_device``, on every rank, before any collective.
 - ``checkpoint``: save after 3 steps, resume (same and different sp_size), compare with uninterrupted and
   single-device training.
+- ``fsdp_checkpoint``: ``data_parallel="fsdp"``: training equals single-device, full and distributed
+  checkpoints resume exactly (also under "ddp" from the full one), and the per-rank state bytes.
 - ``validate``: ``trainer.validate`` under AutoSP vs. the single-device validation loss.
 - ``numerics``: sp shards whose labels are all ignored; sequence lengths that vary between batches.
 - ``property``: hypothesis draws model/batch shapes; loss and gradient parity for each (run_case of
@@ -45,6 +47,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autosp import AutoSPStrategy  # noqa: E402
+from lightning_autosp.fsdp import local_state_bytes  # noqa: E402
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule  # noqa: E402
 from tests.distributed.parity_worker import Case, run_case  # noqa: E402
 
@@ -258,6 +261,61 @@ def check_checkpoint(out: Path) -> dict:
         "resharded_back_eager_loss": back_check.eager_loss,
         "checkpoint": str(checkpoint),
         "step3_batch": str(out / "step3_batch.pt"),
+    }
+
+
+class StateBytes(L.Callback):
+    """Bytes this rank holds for parameters, gradients and optimizer state, after each step."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.bytes = local_state_bytes(pl_module, trainer.optimizers)
+
+
+def check_fsdp_checkpoint(out: Path) -> dict:
+    """data_parallel="fsdp" (sp=2 on 2 ranks): training, full and distributed checkpoints, resume, memory."""
+    samples = token_samples(CKPT_SAMPLES, 24, seed=7)
+    reference, _ = reference_training(samples, 5)
+    full, distributed = out / "fsdp_step3.ckpt", out / "fsdp_dist_step3.ckpt"
+
+    def fit(max_steps: int, ckpt_path: Path | None = None, callbacks=(), **strategy_kwargs) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        record = Record()
+        strategy = make_strategy(2, **{"data_parallel": "fsdp", **strategy_kwargs})
+        trainer = make_trainer(strategy, max_steps=max_steps, callbacks=[record, *callbacks])
+        module = with_sgd(GPTModule(), CKPT_LR, CKPT_MOMENTUM)
+        trainer.fit(module, DataLoader(samples, batch_size=CKPT_BATCH), ckpt_path=ckpt_path)
+        return record.losses
+
+    def saver(path: Path) -> ModelCheckpoint:
+        if dist.get_rank() == 0 and path.is_file():
+            path.unlink()
+        dist.barrier()
+        return ModelCheckpoint(dirpath=out, filename=path.stem, every_n_train_steps=3, save_top_k=-1)
+
+    fsdp_bytes, ddp_bytes = StateBytes(), StateBytes()
+    uninterrupted = fit(5, callbacks=[saver(full), fsdp_bytes])  # saves at step 3 (end of epoch 0)
+    first_three_distributed = fit(3, callbacks=[saver(distributed)], save_distributed_checkpoint=True)
+    resumed_full = fit(5, ckpt_path=full)
+    resumed_distributed = fit(5, ckpt_path=distributed, save_distributed_checkpoint=True)
+    # The full checkpoint is a plain Lightning one: data_parallel="ddp" resumes from it too.
+    weights_check = FirstBatchReference(full)
+    resumed_by_ddp = fit(5, ckpt_path=full, callbacks=[weights_check, ddp_bytes], data_parallel="ddp")
+    return {
+        "reference": reference,
+        "uninterrupted": uninterrupted,
+        "first_three_distributed": first_three_distributed,
+        "resumed_full": resumed_full,
+        "resumed_distributed": resumed_distributed,
+        "resumed_by_ddp": resumed_by_ddp,
+        "ddp_weights_equal_checkpoint": weights_check.weights_equal,
+        "distributed_is_directory": distributed.is_dir(),
+        "full_is_file": full.is_file(),
+        "fsdp_bytes": fsdp_bytes.bytes,
+        "ddp_bytes": ddp_bytes.bytes,
     }
 
 
@@ -485,6 +543,7 @@ def main() -> None:
     checks = {
         "bad_input": check_bad_input,
         "checkpoint": lambda: check_checkpoint(out),
+        "fsdp_checkpoint": lambda: check_fsdp_checkpoint(out),
         "validate": check_validate,
         "numerics": check_numerics,
         "property": lambda: check_property(out, args.max_examples),

@@ -63,7 +63,8 @@ def test_peers_of_a_wedged_rank_give_up_after_the_strategy_timeout():
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("reliability")
-    names = ["bad_input", "checkpoint", "validate", "numerics", "property", "ambiguous_shard"]
+    names = ["bad_input", "checkpoint", "fsdp_checkpoint", "validate", "numerics", "property"]
+    names.append("ambiguous_shard")  # last: see checks_worker.py
     args = ["--out", str(out), "--checks", *names, "--max-examples", str(MAX_EXAMPLES)]
     code, stderr, _ = torchrun(2, HERE / "checks_worker.py", *args, timeout=400)
     assert code == 0, stderr[-6000:]
@@ -140,6 +141,33 @@ def test_resuming_with_a_different_sp_size(checks):
         assert result["resharded_back_sp2"][0] == pytest.approx(
             result["resharded_back_eager_loss"], rel=LOSS_TOLERANCE
         )
+
+
+@pytest.mark.timeout(420)
+def test_fsdp_trains_like_one_device_and_resumes_exactly_from_full_and_distributed_checkpoints(checks):
+    for rank, result in each_rank(checks, "fsdp_checkpoint"):
+        assert result["uninterrupted"] == pytest.approx(result["reference"], rel=LOSS_TOLERANCE), rank
+        assert result["first_three_distributed"] == result["uninterrupted"][:3], rank
+        assert result["full_is_file"] and result["distributed_is_directory"], rank
+        # steps 4-5 after resuming from the step-3 checkpoint, full file or one shard per rank
+        assert result["resumed_full"] == pytest.approx(result["uninterrupted"][3:], abs=1e-6), rank
+        assert result["resumed_distributed"] == pytest.approx(result["uninterrupted"][3:], abs=1e-6), rank
+
+
+@pytest.mark.timeout(420)
+def test_a_full_fsdp_checkpoint_resumes_under_ddp(checks):
+    for rank, result in each_rank(checks, "fsdp_checkpoint"):
+        assert result["ddp_weights_equal_checkpoint"], rank
+        assert result["resumed_by_ddp"] == pytest.approx(result["uninterrupted"][3:], abs=1e-6), rank
+
+
+@pytest.mark.timeout(420)
+def test_fsdp_holds_one_world_th_of_ddps_parameters_gradients_and_optimizer_state(checks):
+    # 2 ranks, SGD with momentum: each rank holds half of every tensor (rows split in two; all even here).
+    for rank, result in each_rank(checks, "fsdp_checkpoint"):
+        for kind in ("params", "grads", "optimizer"):
+            ratio = result["fsdp_bytes"][kind] / result["ddp_bytes"][kind]
+            assert 0.48 <= ratio <= 0.52, (rank, kind, result["fsdp_bytes"], result["ddp_bytes"])
 
 
 @pytest.mark.timeout(420)
