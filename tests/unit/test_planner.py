@@ -1,0 +1,280 @@
+"""The memory planner: its formulas, its choices, and its figures against measured ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from benchmarks.planner import compare, tiny_gpt, tiny_llama
+from examples.models import GPTModule
+from lightning_autosp import AutoSPStrategy, plan
+from lightning_autosp.planner import (
+    LLAMA_3_1_8B,
+    LLAMA_3_1_70B,
+    GiB,
+    ModelShape,
+    Setup,
+    a2a_bytes_per_step,
+    auto_sp_size,
+    choose_sp_size,
+    max_seq_len,
+    model_shape,
+    readme_table,
+    saved_activations,
+    step_memory,
+)
+
+pytestmark = pytest.mark.timeout(120)
+TOLERANCE = 0.15
+
+
+# --------------------------------------------------------------------------------------------------
+# against measurements: one rank's compiled step (sp=2, aot_eager), as benchmarks/planner.py measures
+
+
+@pytest.mark.parametrize(
+    ("kind", "precision", "sac", "chunked_loss"),
+    [
+        ("gpt", "32-true", True, True),
+        ("gpt", "32-true", False, False),
+        ("llama", "32-true", True, True),
+        ("llama", "32-true", False, True),
+        ("llama", "bf16-mixed", True, True),
+        ("llama", "bf16-mixed", False, False),
+    ],
+)
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_planner_matches_measured_memory(kind: str, precision: str, sac: bool, chunked_loss: bool) -> None:
+    setup = Setup(sp_size=2, devices=2, sac=sac, precision=precision, chunked_loss=chunked_loss)
+    row = compare(kind, setup, 64)
+    for what in ("saved", "params", "grads", "optimizer"):
+        measured, planned = row[f"measured_{what}"], row[f"planned_{what}"]
+        assert abs(planned - measured) <= TOLERANCE * measured, (what, planned, measured, row["saved"])
+
+
+def test_param_counts_from_shapes() -> None:
+    gpt, gpt_config, _ = tiny_gpt()
+    llama, llama_config, _ = tiny_llama()
+    assert model_shape(gpt_config).param_count == sum(p.numel() for p in gpt.parameters())
+    assert model_shape(llama_config).param_count == sum(p.numel() for p in llama.parameters())
+    assert model_shape(llama).params == sum(p.numel() for p in llama.parameters())
+    # The published sizes (config.json shapes): 8.03B and 70.55B.
+    assert LLAMA_3_1_8B.param_count == 8_030_261_248
+    assert LLAMA_3_1_70B.param_count == 70_553_706_496
+
+
+def test_model_shape_from_modules_and_configs() -> None:
+    module = GPTModule(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    shape = model_shape(module)  # from the LightningModule's hparams, parameters counted
+    assert (shape.hidden, shape.layers, shape.heads, shape.gated_mlp) == (32, 2, 4, False)
+    assert shape.params == sum(p.numel() for p in module.parameters())
+    hf = model_shape(tiny_llama()[1])
+    assert (hf.kv_heads, hf.intermediate, hf.gated_mlp, hf.norm, hf.loss_in_fp32) == (
+        2,
+        128,
+        True,
+        "rms",
+        True,
+    )
+    with pytest.raises(TypeError, match="Pass a ModelShape"):
+        model_shape(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="TinyGPT's keys"):
+        model_shape({"width": 3})
+
+
+# --------------------------------------------------------------------------------------------------
+# formulas
+
+
+def test_sequence_parallelism_divides_activations() -> None:
+    one = sum(saved_activations(LLAMA_3_1_8B, Setup(1, 8, sac=False, precision="32-true"), 2**15).values())
+    eight = sum(saved_activations(LLAMA_3_1_8B, Setup(8, 8, sac=False, precision="32-true"), 2**15).values())
+    assert eight == pytest.approx(one / 8, rel=0.01)
+    with_sac = sum(
+        saved_activations(LLAMA_3_1_8B, Setup(8, 8, sac=True, precision="32-true"), 2**15).values()
+    )
+    assert with_sac < eight / 2
+    # Under autocast, SAC off also keeps bf16 copies of the matmul weights (2 bytes per weight).
+    mixed = saved_activations(LLAMA_3_1_8B, Setup(8, 8, sac=False), 2**15)
+    assert mixed["bf16 weight copies"] == 2 * LLAMA_3_1_8B.matmul_weight_params
+
+
+def test_fsdp_shards_state_over_all_ranks() -> None:
+    ddp = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="ddp"), 2**17)
+    fsdp = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="fsdp", fsdp_units="block"), 2**17)
+    N = LLAMA_3_1_8B.param_count
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * N, 4 * N, 8 * N)  # bf16-mixed, AdamW
+    assert (fsdp.params, fsdp.optimizer) == (4 * N // 64, 8 * N // 64)
+    # in the step: two blocks or the embedding gathered (comm), their gradients before the reduce-scatter
+    unit = max(2 * LLAMA_3_1_8B.layer_params, LLAMA_3_1_8B.embedding_params) * 4
+    assert fsdp.grads == 4 * N // 64 + unit and fsdp.comm_buffers > unit
+    assert fsdp.activations == ddp.activations
+    whole = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="fsdp", fsdp_units="model"), 2**17)
+    assert whole.grads == 4 * N // 64 + 4 * N  # the strategy's units today: the whole model
+
+
+def test_mask_and_logits_components() -> None:
+    shape = dataclasses.replace(LLAMA_3_1_8B, attention_mask=True)
+    assert step_memory(shape, Setup(1, 8, sac=False), 2**16).attention_mask == 2**32 * 2  # [S, S] bf16
+    setup = Setup(8, 8, sac=False, chunked_loss=False)
+    assert step_memory(shape, setup, 2**16).attention_mask == 0  # the SP pass makes it is_causal
+    full = saved_activations(shape, setup, 2**16)["log_softmax"]
+    assert full == 2**13 * LLAMA_3_1_8B.vocab * 4
+    chunked = dataclasses.replace(setup, chunked_loss=True)
+    assert "log_softmax" not in saved_activations(shape, chunked, 2**16)
+    assert (
+        step_memory(shape, chunked, 2**16).logits_workspace
+        < step_memory(shape, setup, 2**16).logits_workspace
+    )
+
+
+def test_all_to_all_bytes_follow_the_ulysses_formula() -> None:
+    # (S/P)((P-1)/P)(2h + 2h_kv) elements per layer and direction, forward + backward.
+    shape = ModelShape(hidden=512, layers=4, heads=8, kv_heads=8, intermediate=1024, vocab=1000, rotary=False)
+    S, P = 8192, 4
+    expected = 2 * shape.layers * (S / P) * ((P - 1) / P) * (2 * 512 + 2 * 512) * 2
+    assert a2a_bytes_per_step(shape, Setup(P, 8), S) == expected
+    assert a2a_bytes_per_step(shape, Setup(1, 8), S) == 0
+    # Fewer KV heads than ranks: the SP pass repeats them (8 KV heads over 16 ranks -> 16).
+    assert LLAMA_3_1_70B.kv_heads_at_attention(16) == 16
+    assert LLAMA_3_1_70B.kv_heads_at_attention(8) == 8
+
+
+def test_max_seq_len_is_the_fitting_boundary() -> None:
+    setup = Setup(8, 8, data_parallel="fsdp", fsdp_units="block")
+    usable = 70 * GiB
+    longest = max_seq_len(LLAMA_3_1_8B, setup, usable)
+    assert step_memory(LLAMA_3_1_8B, setup, longest).total <= usable
+    assert step_memory(LLAMA_3_1_8B, setup, longest + 8).total > usable
+    result = plan(LLAMA_3_1_8B, longest, 8, usable / 0.9, data_parallel="fsdp", fsdp_units="block")
+    (option,) = [o for o in result.options if o.setup.sp_size == 8 and o.setup.sac]
+    assert option.fits and option.max_seq_len == longest
+
+
+def test_plan_renders_and_flags_sp_groups_across_nodes() -> None:
+    result = plan(LLAMA_3_1_70B, 2**17, 64, 80 * GiB, sac=True, data_parallel="fsdp", fsdp_units="block")
+    text = result.to_markdown()
+    assert "Llama-3.1-70B" in text and "(crosses nodes)" in text
+    assert {o.setup.sp_size for o in result.options} == {1, 2, 4, 8, 16, 32, 64}
+    assert all(o.sp_within_node == (o.setup.sp_size <= 8) for o in result.options)
+    assert result.__rich__().row_count == len(result.options)
+    table = readme_table(seq_lens=(2**17,), device_counts=(64,), fsdp_units="block")
+    assert table.count("\n") == 3 and "| Llama-3.1-70B | 128K | 64 | 32 * |" in table  # * spans nodes
+
+
+# --------------------------------------------------------------------------------------------------
+# choosing sp_size
+
+
+def test_choose_sp_size_takes_the_smallest_that_fits() -> None:
+    result = plan(LLAMA_3_1_8B, 2**17, 8, 141 * GiB, sac=True, data_parallel="fsdp")
+    chosen = choose_sp_size(
+        LLAMA_3_1_8B,
+        seq_len=2**17,
+        devices=8,
+        memory_per_device=141 * GiB,
+        gpus_per_node=8,
+        data_parallel="fsdp",
+    )
+    fitting = sorted(o.setup.sp_size for o in result.options if o.fits)
+    assert chosen.setup.sp_size == fitting[0] > 1
+    with pytest.raises(
+        ValueError, match=r"No sp_size fits .* Longest sequence per sp_size: sp=1: .*data_parallel='fsdp'"
+    ):
+        choose_sp_size(LLAMA_3_1_8B, seq_len=2**20, devices=8, memory_per_device=80 * GiB, gpus_per_node=8)
+
+
+def test_auto_sp_size_plans_for_a_lightning_module(caplog: pytest.LogCaptureFixture) -> None:
+    module = GPTModule(vocab_size=256, block_size=2**14, n_layer=2, n_head=4, n_embd=64)
+    options = dict(
+        sac=True, data_parallel="ddp", precision="32-true", chunked_loss=True, loss_chunk_tokens=None
+    )
+    fits_two = plan(module, 2**14, 4, 10**12, sac=True, data_parallel="ddp", precision="32-true")
+    need = {o.setup.sp_size: o.memory.total for o in fits_two.options}
+    memory = (need[1] + need[2]) / 2 / 0.9  # sp=1 does not fit, sp=2 does
+    with caplog.at_level(logging.INFO):
+        chosen = auto_sp_size(
+            module,
+            max_seq_len=2**14,
+            memory_per_device=memory,
+            device=torch.device("cpu"),
+            devices=4,
+            gpus_per_node=4,
+            **options,
+        )
+    assert chosen.setup.sp_size == 2
+    with pytest.raises(ValueError, match="needs memory_per_device"):
+        auto_sp_size(
+            module,
+            max_seq_len=64,
+            memory_per_device=None,
+            device=torch.device("cpu"),
+            devices=1,
+            gpus_per_node=1,
+            **options,
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sp_size": "auto"}, "needs the sequence length"),
+        ({"sp_size": 2, "max_seq_len": 1024}, "pass sp_size='auto'"),
+        ({"sp_size": "auto", "max_seq_len": 64, "memory_per_device": -1}, "positive number of bytes"),
+    ],
+)
+def test_strategy_auto_options(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AutoSPStrategy(**kwargs)
+
+
+class _StopAfterDistributedSetup(L.Callback):
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        raise _Stop(trainer.strategy.sp_size)
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def _own_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0), raising=False)
+    for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    initialized = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not initialized:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("_own_process_group")
+@pytest.mark.parametrize(("memory", "expected"), [(2**40, 1), (2**17, "No sp_size fits")])
+def test_strategy_resolves_auto_before_the_process_group(memory: int, expected: int | str) -> None:
+    strategy = AutoSPStrategy(sp_size="auto", max_seq_len=64, memory_per_device=memory, compiler="aot_eager")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        callbacks=[_StopAfterDistributedSetup()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = GPTModule(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=32)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            trainer.fit(module)
+        assert not dist.is_initialized() or dist.get_world_size() == 1
+    else:
+        with pytest.raises(_Stop) as stopped:
+            trainer.fit(module)
+        assert stopped.value.args == (expected,)
