@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB = 48
+WINDOW = 6
 
 
 class Attention(nn.Module):
@@ -26,6 +27,10 @@ class Attention(nn.Module):
         if self.mask == "triu":
             future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=~future)
+        elif self.mask == "window":  # causal, and only the last WINDOW tokens: not plain causal
+            ones = torch.ones(T, T, dtype=torch.bool, device=x.device)
+            hidden = torch.triu(ones, diagonal=1) | torch.tril(ones, diagonal=-WINDOW)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
@@ -124,3 +129,25 @@ class LlamaModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class UserShardedGPTModule(GPTModule):
+    """Shards itself in configure_model, as with Lightning's ModelParallelStrategy (FSDP2, all ranks).
+
+    ``units="head_then_model"``: the LM head and then the whole model, both called outside any loop.
+    ``units="blocks"``: every attention and MLP block, which the model calls inside its loop over layers.
+    """
+
+    def __init__(self, units: str = "head_then_model", **model_kwargs) -> None:
+        super().__init__(**model_kwargs)
+        self.units = units
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if self.units == "blocks":
+            for block in [*self.model.attns, *self.model.mlps]:
+                fully_shard(block)
+        else:
+            fully_shard(self.model.head)
+        fully_shard(self.model)

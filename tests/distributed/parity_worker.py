@@ -10,24 +10,36 @@ returned and the gradients after DDP's all-reduce. Results go to ``<out>/rank<r>
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_autosp import AutoSPStrategy  # noqa: E402
 from lightning_autosp.compiler import backend as backend_module  # noqa: E402
+from lightning_autosp.compiler import chunked_loss, sp_pass  # noqa: E402
 from lightning_autosp.compiler.sp_pass import SPReport  # noqa: E402
-from tests.distributed.modules import VOCAB, GPTModule, LlamaModule  # noqa: E402
+from tests.distributed.attention_modules import (  # noqa: E402
+    DocumentMaskGPTModule,
+    FlashGPTModule,
+    PackedLlamaModule,
+    cross_document_rel_diff,
+    packed_inputs,
+)
+from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, UserShardedGPTModule  # noqa: E402
+from tests.flash_stand_in import flash_attn_stand_in  # noqa: E402
 
 
 @dataclass
@@ -41,8 +53,13 @@ class Case:
     strategy_kwargs: dict = field(default_factory=dict)
     sp_pass: bool = True
     precision: str = "32-true"
+    documents: tuple[int, ...] = ()  # packed rows: document lengths (position_ids restart at each)
+    drop_last_loss_chunk: bool = False  # negative control: the chunked loss skips its last chunk
+    ring_attention: bool = True  # False, negative control: each ring rank attends to its own tokens only
 
 
+RING = {"ulysses_degree": "auto", "ring_layout": "zigzag"}
+RING_CONTIGUOUS = {"ulysses_degree": "auto", "ring_layout": "contiguous"}
 CASES = {
     "llama_gqa": Case(LlamaModule, {"heads": 4, "kv_heads": 2}),
     "llama_1kv": Case(LlamaModule, {"heads": 4, "kv_heads": 1}),
@@ -50,7 +67,8 @@ CASES = {
     "llama_gqa_auto_sac": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, strategy_kwargs={"sac": "auto"}),
     "gpt_shift": Case(GPTModule),
     "gpt_shift_no_sac": Case(GPTModule, strategy_kwargs={"sac": False}),
-    "gpt_triu_mask": Case(GPTModule, {"mask": "triu"}),
+    "gpt_triu_mask": Case(GPTModule, {"mask": "triu"}),  # plain causal: becomes is_causal=True
+    "gpt_window_mask": Case(GPTModule, {"mask": "window"}),  # not causal: rebuilt at the global length
     "gpt_graph_break": Case(GPTModule, {"graph_break": "between_layers"}),
     "gpt_graph_break_in_loop": Case(GPTModule, {"graph_break": "in_loop"}),
     "gpt_ddp_buckets": Case(GPTModule, {"dim": 256}, strategy_kwargs={"bucket_cap_mb": 1}),
@@ -62,8 +80,71 @@ CASES = {
     "ddp_sp1": Case(GPTModule, sp_size=1),
     "llama_bf16_mixed": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, precision="bf16-mixed"),
     "gpt_inductor": Case(GPTModule, {"mask": "triu"}, seq_len=25, strategy_kwargs={"compiler": "inductor"}),
+    # Chunked LM head + loss, 5 tokens a chunk: uneven shards (31 + 30), ragged last chunks, ignored labels.
+    "gpt_chunked_loss": Case(
+        GPTModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"loss_chunk_tokens": 5}
+    ),
+    "llama_chunked_loss": Case(
+        LlamaModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"loss_chunk_tokens": 5}
+    ),
+    "gpt_chunked_loss_broken": Case(
+        GPTModule, seq_len=61, strategy_kwargs={"loss_chunk_tokens": 5}, drop_last_loss_chunk=True
+    ),
     "dp2_sp2": Case(GPTModule, seq_len=30, batch_size=2, ignored_tail=(0, 7, 13, 29)),
     "dp2_sp2_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, seq_len=30, ignored_tail=(3, 0, 29, 11)),
+    # data_parallel="fsdp": FSDP2 shards over all dp x sp ranks; gradients are gathered from the shards.
+    "fsdp_gpt": Case(GPTModule, seq_len=25, ignored_tail=(0, 7), strategy_kwargs={"data_parallel": "fsdp"}),
+    "fsdp_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, strategy_kwargs={"data_parallel": "fsdp"}),
+    "fsdp_dp2_sp2": Case(
+        GPTModule, seq_len=30, ignored_tail=(0, 7, 13, 29), strategy_kwargs={"data_parallel": "fsdp"}
+    ),
+    # The user's own units from configure_model are kept; blocks called inside the loop over layers are
+    # graph breaks in a loop, which Dynamo cannot compile around (Note [FSDP units under a compiled step]).
+    "fsdp_user_units": Case(UserShardedGPTModule, strategy_kwargs={"data_parallel": "fsdp"}),
+    "fsdp_user_blocks": Case(
+        UserShardedGPTModule, {"units": "blocks"}, strategy_kwargs={"data_parallel": "fsdp"}
+    ),
+    # Packed rows of 3 documents (7 + 11 + 7 tokens, shards of 13 + 12): attention must not cross them.
+    "llama_packed": Case(PackedLlamaModule, seq_len=25, batch_size=1, documents=(7, 11, 7)),
+    "gpt_document_mask": Case(DocumentMaskGPTModule, seq_len=25, documents=(7, 11, 7)),
+    # flash-attn (CPU kernels for its ops: tests/flash_stand_in.py): GQA 1 KV head over sp=2, window, softcap.
+    "flash_gqa_window": Case(FlashGPTModule, {"kv_heads": 1, "window": 8, "softcap": 5.0}, seq_len=25),
+    # sp=4 over 2 q heads: Ulysses 2 (auto) x ring 2, and all ring (ulysses_degree=1). Lengths do not
+    # divide 2 x ring: uneven zigzag chunks; ignored labels; 1 KV head replicated to the Ulysses degree.
+    "ring_gpt_contiguous": Case(
+        GPTModule, {"heads": 2}, seq_len=30, sp_size=4, ignored_tail=(0, 7), strategy_kwargs=RING_CONTIGUOUS
+    ),
+    "ring_gpt_zigzag": Case(
+        GPTModule, {"heads": 2}, seq_len=30, sp_size=4, ignored_tail=(0, 7), strategy_kwargs=RING
+    ),
+    "ring_gpt_window_all_ring": Case(
+        GPTModule,
+        {"heads": 2, "mask": "window"},
+        seq_len=29,
+        sp_size=4,
+        strategy_kwargs={**RING, "ulysses_degree": 1},
+    ),
+    "ring_llama_zigzag": Case(
+        LlamaModule,
+        {"heads": 2, "kv_heads": 1},
+        seq_len=30,
+        sp_size=4,
+        ignored_tail=(3, 11),
+        strategy_kwargs=RING,
+    ),
+    "ring_llama_contiguous_all_ring": Case(
+        LlamaModule,
+        {"heads": 2, "kv_heads": 1},
+        seq_len=30,
+        sp_size=4,
+        strategy_kwargs={**RING_CONTIGUOUS, "ulysses_degree": 1},
+    ),
+    "ring_gpt_zigzag_ring_off": Case(
+        GPTModule, {"heads": 2}, seq_len=30, sp_size=4, strategy_kwargs=RING, ring_attention=False
+    ),
+    "flash_varlen_packed": Case(
+        FlashGPTModule, {"varlen": True}, seq_len=25, batch_size=1, documents=(7, 11, 7)
+    ),
 }
 
 
@@ -79,6 +160,8 @@ def make_samples(case: Case, count: int) -> list[dict]:
             if tail:
                 labels[-tail:] = -100
             sample["labels"] = labels
+        if case.documents:
+            sample.update(packed_inputs(case.documents))
         samples.append(sample)
     return samples
 
@@ -93,19 +176,23 @@ class Capture(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.grads = {
-            n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
+            n: full_tensor(p.grad).detach().clone()
+            for n, p in pl_module.named_parameters()
+            if p.grad is not None
         }
 
 
-def run_case(name: str, case: Case) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // case.sp_size
-    samples = make_samples(case, dp * case.batch_size)
-    torch.manual_seed(0)
-    module = case.module(**case.module_kwargs)
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a sharded DTensor (data_parallel="fsdp"; a collective), else ``tensor``."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
-    # Single-device reference on the samples Lightning's sampler hands dp group d (training loaders are
-    # always shuffled, seed 0); all ranks of one sp group must get the same ones.
+
+def single_device_reference(
+    case: Case, module: L.LightningModule, samples: list[dict], dp: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Each dp group's single-device loss and the gradients averaged over dp groups (eager)."""
+    # On the samples Lightning's sampler hands dp group d (training loaders are always shuffled, seed 0);
+    # all ranks of one sp group must get the same ones.
     losses, grads = [], {}
     for group in range(dp):
         indices = list(
@@ -120,7 +207,18 @@ def run_case(name: str, case: Case) -> dict:
         for n, p in module.named_parameters():
             grads[n] = grads.get(n, 0) + p.grad / dp
     module.zero_grad()
+    return losses, grads
+
+
+def run_case(name: str, case: Case) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // case.sp_size
+    samples = make_samples(case, dp * case.batch_size)
+    torch.manual_seed(0)
+    module = case.module(**case.module_kwargs)
+    losses, grads = single_device_reference(case, module, samples, dp)
     reference_loss = losses[rank // case.sp_size]
+    cross_document = cross_document_rel_diff(module, samples, reference_loss) if dp == 1 else None
 
     strategy = AutoSPStrategy(sp_size=case.sp_size, **{"compiler": "aot_eager", **case.strategy_kwargs})
     if not case.sp_pass:  # negative control: the passes report attention but rewrite nothing
@@ -139,7 +237,17 @@ def run_case(name: str, case: Case) -> dict:
         precision=case.precision,
         callbacks=[capture],
     )
-    trainer.fit(module, DataLoader(samples, batch_size=case.batch_size, shuffle=False))
+    all_chunks = chunked_loss.token_chunks
+    with contextlib.ExitStack() as patches:
+        if not case.ring_attention:
+            patches.enter_context(
+                mock.patch.object(sp_pass, "_lower_to_ring_attention", lambda graph, match, ctx: match.node)
+            )
+        if case.drop_last_loss_chunk:
+            patches.enter_context(
+                mock.patch.object(chunked_loss, "token_chunks", lambda *args: all_chunks(*args)[:-1])
+            )
+        trainer.fit(module, DataLoader(samples, batch_size=case.batch_size, shuffle=False))
     grad_err = max(
         ((capture.grads[n] - grads[n]).abs().max() / grads[n].abs().max().clamp_min(1e-12)).item()
         for n in grads
@@ -155,9 +263,12 @@ def run_case(name: str, case: Case) -> dict:
         "grad_rel_err": grad_err,
         "missing_grads": sorted(set(grads) - set(capture.grads)),
         "all_to_alls": sum(r.all_to_alls for b in backends for r in b.reports),
+        "ring_attentions": sum(len(r.ring_attention) for b in backends for r in b.reports),
         "graphs": sum(len(b.reports) for b in backends),
         "checkpoint_keys_match": saved_keys == set(module.state_dict()),
+        "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
         "explain": strategy.explain(),
+        "cross_document_rel_diff": cross_document,
     }
 
 
@@ -169,6 +280,9 @@ def main() -> None:
     os.environ["AUTOSP_PARITY_OUT"] = args.out
     Path(args.out).mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    flash_ops = contextlib.ExitStack()
+    if any(issubclass(CASES[n].module, FlashGPTModule) for n in args.cases):
+        flash_ops.enter_context(flash_attn_stand_in())  # CPU kernels for flash-attn's ops
     results = {}
     for name in args.cases:
         torch._dynamo.reset()
@@ -182,6 +296,7 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
+    flash_ops.close()
 
 
 if __name__ == "__main__":

@@ -27,12 +27,28 @@ TWO_RANK_CASES = [
     "gpt_shift",
     "gpt_shift_no_sac",
     "gpt_triu_mask",
+    "gpt_window_mask",
     "gpt_graph_break",
     "gpt_ddp_buckets",
     "llama_ddp_buckets",
     "gpt_len61",
 ]
 FOUR_RANK_CASES = ["dp2_sp2", "dp2_sp2_llama"]
+# sp=4 over 2 q heads: Ulysses x ring (ulysses_degree="auto": 2 x 2; 1: all ring), zigzag and contiguous
+RING_CASES = [
+    "ring_gpt_contiguous",
+    "ring_gpt_zigzag",
+    "ring_gpt_window_all_ring",
+    "ring_llama_zigzag",
+    "ring_llama_contiguous_all_ring",
+]
+# data_parallel="fsdp" (2 ranks; dp=2 x sp=2 runs in tests/distributed/test_multinode.py)
+FSDP_CASES = ["fsdp_gpt", "fsdp_llama", "fsdp_user_units"]
+# Chunked LM head + cross-entropy, 5 tokens a chunk (every other case chunks too, in one chunk)
+CHUNKED_LOSS_CASES = ["gpt_chunked_loss", "llama_chunked_loss"]
+# Packed rows of 3 documents (position_ids restart); flash-attn (its ops on CPU: tests/flash_stand_in.py)
+PACKED_CASES = ["llama_packed", "gpt_document_mask"]
+FLASH_CASES = ["flash_gqa_window", "flash_varlen_packed"]
 
 
 def launch(ranks: int, cases: list[str], out: Path, timeout: int) -> dict[int, dict]:
@@ -45,7 +61,19 @@ def launch(ranks: int, cases: list[str], out: Path, timeout: int) -> dict[int, d
 def two_rank_results(tmp_path_factory) -> dict[int, dict]:
     return launch(
         2,
-        [*TWO_RANK_CASES, "gpt_graph_break_in_loop", "gpt_sp_pass_off", "ddp_sp1", "llama_bf16_mixed"],
+        [
+            *TWO_RANK_CASES,
+            "gpt_graph_break_in_loop",
+            "gpt_sp_pass_off",
+            "ddp_sp1",
+            "llama_bf16_mixed",
+            *FSDP_CASES,
+            "fsdp_user_blocks",
+            *CHUNKED_LOSS_CASES,
+            "gpt_chunked_loss_broken",
+            *PACKED_CASES,
+            *FLASH_CASES,
+        ],
         tmp_path_factory.mktemp("p2"),
         600,
     )
@@ -53,7 +81,9 @@ def two_rank_results(tmp_path_factory) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory) -> dict[int, dict]:
-    return launch(4, FOUR_RANK_CASES, tmp_path_factory.mktemp("p4"), 600)
+    return launch(
+        4, [*FOUR_RANK_CASES, *RING_CASES, "ring_gpt_zigzag_ring_off"], tmp_path_factory.mktemp("p4"), 600
+    )
 
 
 def assert_parity(results: dict[int, dict], case: str, *, sequence_parallel: bool = True) -> None:
@@ -77,6 +107,55 @@ def test_parity_two_ranks(two_rank_results, case):
 @pytest.mark.parametrize("case", FOUR_RANK_CASES)
 def test_parity_dp2_sp2(four_rank_results, case):
     assert_parity(four_rank_results, case)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_parity_fsdp(two_rank_results, case):
+    # Gradients are gathered from the DTensor shards; the scaling must equal DDP's exactly.
+    assert_parity(two_rank_results, case)
+    assert all(per_case[case]["sharded"] for per_case in two_rank_results.values())
+
+
+@pytest.mark.timeout(700)
+def test_fsdp_units_inside_the_layer_loop_are_an_error(two_rank_results):
+    # FSDP2's hooks are graph breaks; inside the loop over layers Dynamo skips the frame, and the
+    # strategy refuses to train that frame without sequence parallelism.
+    for per_case in two_rank_results.values():
+        assert "fell back to eager" in per_case["fsdp_user_blocks"]["error"]
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("case", CHUNKED_LOSS_CASES)
+def test_parity_chunked_loss(two_rank_results, case):
+    assert_parity(two_rank_results, case)
+    for per_case in two_rank_results.values():
+        assert "chunk(s) of 5" in per_case[case]["explain"], per_case[case]["explain"]
+
+
+@pytest.mark.timeout(700)
+def test_parity_breaks_when_the_chunked_loss_drops_a_chunk(two_rank_results):
+    # Negative control: the parity check sees what the chunked op computes.
+    result = two_rank_results[0]["gpt_chunked_loss_broken"]
+    assert "error" not in result, result.get("error")
+    assert result["loss_rel_err"] > 1e-3 and result["grad_rel_err"] > 1e-2
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("case", RING_CASES)
+def test_parity_ulysses_x_ring(four_rank_results, case):
+    assert_parity(four_rank_results, case)
+    for per_case in four_rank_results.values():
+        assert per_case[case]["ring_attentions"] == 2, per_case[case]["explain"]  # both layers
+
+
+@pytest.mark.timeout(700)
+def test_parity_breaks_without_ring_attention(four_rank_results):
+    # Negative control: the same zigzag layout and all-to-alls, but each ring rank attends to its own
+    # tokens only (no K/V passed around the ring); the parity check must notice.
+    result = four_rank_results[0]["ring_gpt_zigzag_ring_off"]
+    assert "error" not in result, result.get("error")
+    assert result["loss_rel_err"] > 1e-3 and result["grad_rel_err"] > 1e-2
 
 
 @pytest.mark.timeout(700)
@@ -120,3 +199,18 @@ def test_graph_break_in_a_loop_is_an_error_not_a_silent_fallback(two_rank_result
 @pytest.mark.timeout(900)
 def test_parity_inductor_end_to_end(tmp_path):
     assert_parity(launch(2, ["gpt_inductor"], tmp_path, 800), "gpt_inductor")
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("case", [*PACKED_CASES, *FLASH_CASES])
+def test_parity_packed_documents_and_flash_attention(two_rank_results, case):
+    assert_parity(two_rank_results, case)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_attention_across_documents_would_fail_parity(two_rank_results, case):
+    # Negative control: the same row with a plain causal mask (attention crossing documents) moves the
+    # loss by far more than the parity tolerance, so parity above means the documents stayed apart.
+    for per_case in two_rank_results.values():
+        assert per_case[case]["cross_document_rel_diff"] > 10 * LOSS_TOLERANCE, per_case[case]

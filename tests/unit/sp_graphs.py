@@ -7,6 +7,7 @@ import contextlib
 import copy
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import lightning_autosp.compiler.ops as ops
+import lightning_autosp.compiler.ring as ring
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard, shard_batch
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
@@ -33,6 +35,7 @@ SHIFT_FROM_NEXT = torch.ops.autosp.shift_from_next.default
 MODULES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {
     "gpt-causal": (lambda: GPTModule(mask="causal"), 4, 8),
     "gpt-triu": (lambda: GPTModule(mask="triu"), 4, 8),
+    "gpt-window": (lambda: GPTModule(mask="window"), 4, 8),
     "llama-kv2": (lambda: LlamaModule(heads=4, kv_heads=2), 4, 8),
     "llama-kv1": (lambda: LlamaModule(heads=4, kv_heads=1), 4, 8),
 }
@@ -170,6 +173,8 @@ class ThreadedComm:
         self.slots: list[Any] = [None] * world
         self.local = threading.local()
         self.calls: list[list[str]] = [[] for _ in range(world)]
+        self.mailboxes: dict[tuple[int, int, int], queue.Queue] = {}
+        self.lock = threading.Lock()
 
     @property
     def rank(self) -> int:
@@ -199,6 +204,30 @@ class ThreadedComm:
         everyone = self._exchange("all_reduce", tensor.clone())
         tensor.copy_(torch.stack(everyone).sum(0))
 
+    def isend(self, tensor, group=None, tag=0, group_dst=None) -> _Done:
+        self.calls[self.rank].append("isend")
+        self._mailbox(self.rank, group_dst, tag).put(tensor.clone())
+        return _Done(lambda: None)
+
+    def irecv(self, tensor, group=None, tag=0, group_src=None) -> _Done:
+        self.calls[self.rank].append("irecv")
+        mailbox = self._mailbox(group_src, self.rank, tag)
+        return _Done(lambda: tensor.copy_(mailbox.get(timeout=self.barrier._timeout)))
+
+    def _mailbox(self, source: int, destination: int, tag: int) -> queue.Queue:
+        with self.lock:
+            return self.mailboxes.setdefault((source, destination, tag), queue.Queue())
+
+
+@dataclass
+class _Done:
+    """A point-to-point request: ``wait()`` completes it (the receive blocks until the send arrived)."""
+
+    finish: Callable[[], Any]
+
+    def wait(self) -> None:
+        self.finish()
+
 
 def run_ranks(world: int, fn: Callable[[int], Any]) -> tuple[list[Any], ThreadedComm]:
     """``fn(rank)`` on ``world`` threads with the autosp ops talking through a ``ThreadedComm``."""
@@ -214,7 +243,11 @@ def run_ranks(world: int, fn: Callable[[int], Any]) -> tuple[list[Any], Threaded
             errors.append(error)
             comm.barrier.abort()
 
-    with mock.patch.object(ops, "dist", comm), mock.patch.object(ops, "_group", lambda name: None):
+    with (
+        mock.patch.object(ops, "dist", comm),
+        mock.patch.object(ring, "dist", comm),
+        mock.patch.object(ops, "_group", lambda name: None),
+    ):
         threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(world)]
         for thread in threads:
             thread.start()

@@ -21,9 +21,10 @@ from lightning_autosp.compiler.sp_pass import (
     SPContext,
     SPReport,
     globalize_positions_pass,
+    is_causal_mask,
     sequence_parallel_pass,
 )
-from lightning_autosp.data import SequenceShard
+from lightning_autosp.data import SequenceShard, shard_batch
 from tests.distributed.modules import VOCAB, TinyGPT
 from tests.unit.sp_graphs import (
     ALL_REDUCE_SUM,
@@ -36,8 +37,10 @@ from tests.unit.sp_graphs import (
     capture,
     fake_propagate,
     fake_shape,
+    global_batch,
     nodes_with_target,
     rewritten_step,
+    training_step,
 )
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
@@ -173,28 +176,29 @@ def test_heads_not_divisible_by_sp_size() -> None:
         sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
 
 
-def test_flash_attention_is_rejected() -> None:
+def test_untraced_flash_attention_is_rejected() -> None:
+    # flash-attn 2.x's calls are rewritten (tests/unit/test_flash.py); a wrapper Dynamo kept opaque is not.
+    @torch._dynamo.allow_in_graph
     def flash_attn_func(q, k, v):
-        return q
+        return q.clone()
 
-    graph = fx.Graph()
-    q = graph.placeholder("q")
-    graph.output(graph.call_function(flash_attn_func, (q, q, q)))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
+    q = torch.zeros(1, 4, 2, 8)
+    captured = capture(lambda q, k, v: flash_attn_func(q, k, v), q, q.clone(), q.clone())
     shard = SequenceShard.balanced(8, 2, 0)
-    with pytest.raises(NotImplementedError, match="flash-attn"):
-        sequence_parallel_pass(gm, [torch.zeros(1, 4, 2, 8)], SPContext(shard, GROUP))
+    with pytest.raises(NotImplementedError, match="flash_attn_func is not an attention call"):
+        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
 
 
-def test_mask_computed_from_tokens_is_rejected() -> None:
+def test_mask_computed_from_float_tokens_is_rejected() -> None:
+    # Integer per-token inputs are gathered and the mask rebuilt (tests/unit/test_packed.py); floats are not.
     shard = SequenceShard.balanced(12, 2, 0)
 
     def attention(q, k, v, keep):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :] > 0)
 
     q = torch.randn(1, 2, 6, 4)
-    captured = capture(attention, q, q.clone(), q.clone(), torch.ones(1, 6, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="per-token inputs"):
+    captured = capture(attention, q, q.clone(), q.clone(), torch.ones(1, 6))
+    with pytest.raises(NotImplementedError, match="per-token data through the floating-point input"):
         sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
 
 
@@ -273,8 +277,8 @@ def test_batch_size_equal_to_local_length_is_refused_for_positions() -> None:
 
 
 @pytest.mark.parametrize(("global_len", "rank"), [(24, 0), (24, 1), (61, 1)])
-def test_triu_mask_rebuilt_at_global_length(global_len: int, rank: int) -> None:
-    rewritten = rewritten_step("gpt-triu", global_len, 2, rank)
+def test_window_mask_rebuilt_at_global_length(global_len: int, rank: int) -> None:
+    rewritten = rewritten_step("gpt-window", global_len, 2, rank)
     gm, report = rewritten.gm, rewritten.report
     local = rewritten.shard.local_len
     attention = find_attention(gm)
@@ -283,6 +287,7 @@ def test_triu_mask_rebuilt_at_global_length(global_len: int, rank: int) -> None:
         mask = match.node.kwargs["attn_mask"]
         ones = [n for n in ancestors(mask) if n.target is torch.ones]
         assert [n.args for n in ones] == [(global_len, global_len)]
+        assert not match.node.kwargs["is_causal"]
     # the per-rank masks are gone (dead code after the rewrite)
     assert not [n for n in nodes_with_target(gm, torch.ones) if n.args == (local, local)]
 
@@ -291,12 +296,27 @@ def test_triu_mask_rebuilt_at_global_length(global_len: int, rank: int) -> None:
         assert fake_shape(match.node.kwargs["attn_mask"]) == (global_len, global_len)
 
 
-def test_hf_mask_rebuilt_at_global_length() -> None:
-    rewritten = rewritten_step("llama-kv2", 24, 2, 1)
-    fake_propagate(rewritten.gm, rewritten.example_inputs)
-    assert len(rewritten.report.masks) == 2
-    for match in find_attention(rewritten.gm):
-        assert fake_shape(match.node.kwargs["attn_mask"]) == (B, 1, 24, 24)
+@pytest.mark.parametrize("kind", ["gpt-triu", "llama-kv2"])
+def test_plain_causal_mask_becomes_is_causal(kind: str) -> None:
+    """A mask that is exactly causal (HF builds one) is dropped: no S x S tensor per rank."""
+    rewritten = rewritten_step(kind, 24, 2, 1)
+    attention = find_attention(rewritten.gm)
+    assert len(attention) == 2
+    for match in attention:
+        assert match.node.kwargs["attn_mask"] is None and match.node.kwargs["is_causal"] is True
+    assert all("is_causal=True" in line for line in rewritten.report.masks)
+    assert not nodes_with_target(rewritten.gm, torch.ones)  # the mask's producers are dead code
+
+
+def test_is_causal_mask_probes_past_the_window() -> None:
+    """A sliding window equals causal at lengths below it: the probe must be longer than any constant."""
+    batch, shard = shard_batch(global_batch(B, 24), world=2, rank=0)
+    context = SPContext(shard, GROUP)
+    for kind, causal in (("gpt-window", False), ("gpt-triu", True)):
+        captured = capture(training_step(kind), batch)
+        masks = [m.attn_mask for m in find_attention(captured.gm)]
+        assert len(masks) == 2
+        assert [is_causal_mask(captured.gm, m, context) for m in masks] == [causal, causal]
 
 
 def test_hf_mask_when_batch_size_equals_local_length_is_refused() -> None:
