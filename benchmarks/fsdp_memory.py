@@ -1,0 +1,212 @@
+"""Per-rank memory under ``AutoSPStrategy(data_parallel="fsdp")`` against ``"ddp"`` (CPU, gloo, sp=2).
+
+    python -m benchmarks.fsdp_memory [--ranks 2] [--steps 2] [--seq-len 512]
+
+(from the repository root) runs one ``torchrun --standalone`` job per mode, each training an HF Llama from a
+config (about 45M parameters: vocabulary 32000, hidden 512, 4 layers, 8 heads, 4 KV heads) with AdamW under
+sp=2 (dp = ranks / 2). Per rank, after the last step: the bytes held for parameters, gradients and optimizer
+state (``lightning_autosp.fsdp.local_state_bytes``: the local shards under fsdp), and the process's peak RSS
+(coarse: it includes the Python and torch baseline and the activations). Writes
+``benchmarks/results/fsdp_memory.json`` and ``.md``.
+
+The state figures are what persists between steps. Within a step, FSDP2 all-gathers each unit for its
+forward and backward (Note [FSDP units under a compiled step] in ``lightning_autosp/fsdp.py``), so the
+in-step peak also holds the whole parameters and gradients of the largest unit for a while.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MiB = 2**20
+MODES = ("ddp", "fsdp")
+LLAMA = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2, help="processes (sp=2, dp=ranks/2)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=RESULTS / "fsdp_memory.json")
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_autosp import AutoSPStrategy
+    from lightning_autosp.fsdp import local_state_bytes
+
+    class LitLlama(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = LlamaConfig(**LLAMA, attn_implementation="sdpa", use_cache=False)
+            self.model = LlamaForCausalLM(config)
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class StateBytes(L.Callback):
+        """State bytes after each step; the allocator's in-step peak of the last step (under the profiler)."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == args.steps - 1:
+                self.profiler = torch.profiler.profile(profile_memory=True)
+                self.profiler.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.bytes = local_state_bytes(pl_module, trainer.optimizers)
+            self.loss = float(outputs["loss"])
+            if trainer.global_step == args.steps:
+                self.profiler.__exit__(None, None, None)
+                self.step_peak = allocator_peak_above_start(self.profiler)
+
+    torch.manual_seed(0)
+    world = int(os.environ["WORLD_SIZE"])
+    dp = world // 2
+    samples = [
+        {"input_ids": torch.randint(0, LLAMA["vocab_size"], (args.seq_len,))} for _ in range(dp * args.steps)
+    ]
+    state = StateBytes()
+    module = LitLlama()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=AutoSPStrategy(sp_size=2, data_parallel=args.worker, compiler="aot_eager"),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[state],
+    )
+    start = time.perf_counter()
+    trainer.fit(module, torch.utils.data.DataLoader(samples, batch_size=1))
+    record = {
+        **state.bytes,
+        "step_peak": state.step_peak,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "last_loss": state.loss,
+        "fit_s": round(time.perf_counter() - start, 1),
+    }
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, record)
+    if dist.get_rank() == 0:
+        parameters = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**LLAMA)).parameters())
+        partial = {"mode": args.worker, "world": world, "parameters": parameters, "ranks": gathered}
+        Path(f"{args.out}.{args.worker}").write_text(json.dumps(partial, indent=1))
+
+
+def allocator_peak_above_start(profiler: object) -> int:
+    """High-water mark of the CPU allocator's bytes allocated (and still held) during the profiled step.
+
+    Allocation events are matched with their frees by address; blocks from before the step are left out.
+    """
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
+        stack.extend(event.children)
+    live: dict[int, int] = {}
+    held = peak = 0
+    for _, size, ptr in sorted(events):
+        held -= live.pop(ptr, 0)
+        if size > 0:
+            live[ptr] = size
+            held += size
+        peak = max(peak, held)
+    return peak
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    command = "python -m benchmarks.fsdp_memory" + (" " + " ".join(argv) if argv else "")
+    runs = {}
+    for mode in MODES:
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.ranks}",
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        call = [*torchrun, "-m", "benchmarks.fsdp_memory", *argv, "--worker", mode]
+        rc = subprocess.run(call, cwd=ROOT, env=env).returncode
+        if rc:
+            return rc
+        partial = Path(f"{args.out}.{mode}")
+        runs[mode] = json.loads(partial.read_text())
+        partial.unlink()
+    report = {"command": command, "seq_len": args.seq_len, "steps": args.steps, "llama": LLAMA, "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".md").write_text(render_markdown(report))
+    print(render_markdown(report))
+    return 0
+
+
+def render_markdown(report: dict) -> str:
+    runs = report["runs"]
+    first = next(iter(runs.values()))
+    lines = [
+        f"Per-rank memory, HF Llama ({first['parameters'] / 1e6:.1f}M parameters), AdamW, sp=2 on "
+        f"{first['world']} CPU ranks, {report['seq_len']} tokens, after step {report['steps']}. "
+        f"`{report['command']}`",
+        "",
+        "| data_parallel | rank | params MiB | grads MiB | optimizer MiB | sum MiB | vs ddp "
+        "| in-step allocator peak MiB | peak RSS MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ddp = runs.get("ddp")
+    for mode, run in runs.items():
+        for rank, record in enumerate(run["ranks"]):
+            total = record["params"] + record["grads"] + record["optimizer"]
+            base = ddp["ranks"][rank] if ddp else record
+            base_total = base["params"] + base["grads"] + base["optimizer"]
+            lines.append(
+                f"| {mode} | {rank} | {record['params'] / MiB:.1f} | {record['grads'] / MiB:.1f} | "
+                f"{record['optimizer'] / MiB:.1f} | {total / MiB:.1f} | {total / base_total:.2f}x | "
+                f"{record['step_peak'] / MiB:.0f} | {record['peak_rss'] / MiB:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
