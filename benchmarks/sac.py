@@ -32,9 +32,9 @@ Per (model, seq_len, method) and rank, after two warm-up steps:
   (``AOT_PARTITIONER_DEBUG``'s "Theoretical Per Activation Storage Sizes", kept per graph in the JSON).
 * peak: the high-water mark of the bytes the c10 CPU allocator handed out during one step (forward and
   backward, gradients included, set to None before) and still held, from the profiler's allocation
-  events (``profile_memory=True``), least of 3 steps (see ``allocator_peak``); this covers the buffers
-  Inductor's generated code allocates in C++. Also the process RSS high-water mark above the RSS at the
-  step's start (``/proc/self/clear_refs`` reset, after ``malloc_trim``): coarse.
+  events (``profile_memory=True``), least of 3 steps (``benchmarks.common.allocator_peak``); this covers
+  the buffers Inductor's generated code allocates in C++. Also the process RSS high-water mark above the
+  RSS at the step's start (``/proc/self/clear_refs`` reset, after ``malloc_trim``): coarse.
   ``torch.distributed._tools.mem_tracker.MemTracker`` is not usable here: it is a ``TorchDispatchMode``,
   and Dynamo skips frames while one is active (``convert_frame.py``, ``should_skip_for_dispatch_mode``),
   so under it the step runs eagerly, without the SP pass, and keeps doing so afterwards until
@@ -50,31 +50,41 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import json
-import logging
 import os
-import platform
-import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.common import (
+    RESULTS,
+    ROOT,
+    MiB,
+    allocator_peak,
+    bench_command,
+    current_grads,
+    disable_compile_caches,
+    grad_rel_err,
+    machine_info,
+    memtracker_check,
+    op_of,
+    partitioner_log,
+    rel_err,
+    relaunch_under_torchrun,
+    rss_peak,
+    saved_for_backward,
+    summarize_partition,
+    worker_argv,
+)
+
 METHODS = ("sp", "sac", "ds_sac")
 MODELS = ("gpt", "llama")
 VOCAB = 256
-MiB = 2**20
-_BACKWARD_MARK = "benchmarks.sac:backward"
 TARGET = {"model": "gpt", "seq_len": 4096, "saved_ratio": 0.25, "time_ratio": 1.10}
 
 
@@ -103,12 +113,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     command = "python -m benchmarks.sac" + (" " + shlex.join(argv) if argv else "")
-    nproc = f"--nproc-per-node={args.nproc}"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc]
-    env = {**os.environ, "AUTOSP_BENCH_COMMAND": command, "OMP_NUM_THREADS": str(args.threads)}
-    env.setdefault("PYTHONWARNINGS", "ignore")
     start = time.perf_counter()
-    rc = subprocess.run([*torchrun, "-m", "benchmarks.sac", *argv], cwd=ROOT, env=env).returncode
+    rc = relaunch_under_torchrun(
+        "benchmarks.sac", argv, nproc=args.nproc, threads=args.threads, command=command
+    )
     wall = time.perf_counter() - start
     print(f"\n{command}: exit code {rc}, {wall:.0f} s wall time", flush=True)
     if rc == 0 and args.out.exists():
@@ -158,7 +166,7 @@ def build_model(name: str, max_len: int) -> tuple[Any, Callable[[dict], Any], di
 
 
 # --------------------------------------------------------------------------------------------------
-# DeepSpeed's SAC and the partitioner's own account of what it saves
+# DeepSpeed's SAC
 
 
 def deepspeed_status() -> dict:
@@ -198,69 +206,6 @@ def deepspeed_sac() -> Iterator[None]:
         partitioners.solve_min_cut = original
 
 
-class PartitionerLog(logging.Handler):
-    """Records of torch's min-cut partitioner under ``AOT_PARTITIONER_DEBUG``, one dict per graph."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.graphs: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = str(record.msg)
-        if message.startswith("Theoretical Per Activation Storage Sizes"):
-            self.graphs.append({"saved": [[int(size), str(name)] for size, name in record.args[0]]})
-        elif message.startswith("# remat/fw/bw") and self.graphs:
-            self.graphs[-1]["remat_fw_bw"] = [int(n) for n in record.args]
-        elif message.startswith("Count of Ops Rematerialized") and self.graphs:
-            self.graphs[-1]["rematerialized_ops"] = {str(op): int(n) for op, n in record.args[0]}
-
-
-@contextlib.contextmanager
-def partitioner_log() -> Iterator[PartitionerLog]:
-    import torch._functorch.partitioners as partitioners
-
-    logger = logging.getLogger(partitioners.__name__)
-    handler = PartitionerLog()
-    saved = partitioners.AOT_PARTITIONER_DEBUG, logger.level, logger.propagate
-    partitioners.AOT_PARTITIONER_DEBUG = True
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        partitioners.AOT_PARTITIONER_DEBUG, _, logger.propagate = saved
-        logger.setLevel(saved[1])
-
-
-def _op_of(name: str) -> str:
-    """fx node name -> the op it was named after (``mm_3`` -> ``mm``)."""
-    return re.sub(r"_\d+$", "", name)
-
-
-def summarize_partition(graph: dict) -> dict:
-    """What the partitioner saved (by producing op, primals apart) and what it recomputes in backward."""
-    saved = [(size, name) for size, name in graph["saved"] if not name.startswith("primals")]
-    by_op: Counter = Counter()
-    for size, name in saved:
-        by_op[_op_of(name)] += size
-    remat = graph.get("rematerialized_ops", {})
-    return {
-        "estimated_saved_bytes": sum(size for size, _ in saved),
-        "saved_values": len(saved),
-        "saved_primals": len(graph["saved"]) - len(saved),
-        "saved_bytes_by_op": dict(by_op.most_common()),
-        "saved": saved,
-        "remat_fw_bw": graph.get("remat_fw_bw"),
-        "rematerialized_ops": remat,
-        "recomputed_attention": sum(n for op, n in remat.items() if "scaled_dot_product" in op),
-        "recomputed_collectives": sum(
-            n for op, n in remat.items() if op.startswith(("autosp.", "_c10d_functional."))
-        ),
-    }
-
-
 # --------------------------------------------------------------------------------------------------
 # measurements (every rank runs the same calls in the same order: the steps talk to each other)
 
@@ -270,157 +215,6 @@ def train_step(fn: Callable, batch: dict, model: Any) -> Any:
     loss = fn(batch)
     loss.backward()
     return loss
-
-
-def _compiled_nodes(loss: Any) -> list:
-    """Every ``CompiledFunctionBackward`` node of the autograd graph behind ``loss``."""
-    found, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            found.append(node)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
-def saved_for_backward(fn: Callable, batch: dict, model: Any) -> dict:
-    import torch
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    packed: list = []
-
-    def pack(tensor: Any) -> Any:
-        packed.append(tensor)
-        return tensor
-
-    model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = fn(batch)
-    nodes = _compiled_nodes(loss)
-    ctx_saved = [t for node in nodes for t in node.saved_tensors]
-    unhooked = [t for node in nodes for t in getattr(node, "_tensors_no_vc_check", ())]
-
-    def storages(tensors: list) -> dict[int, int]:
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-    hooked = storages(packed)
-    activations = {ptr: size for ptr, size in {**hooked, **storages(unhooked)}.items() if ptr not in params}
-    result = {
-        "saved_bytes": sum(activations.values()),
-        "saved_storages": len(activations),
-        "saved_tensors": len(packed) + len(unhooked),
-        "parameter_tensors_saved": sum(ptr in params for ptr in hooked),
-        "hook_check": {
-            "loss_grad_fn": type(loss.grad_fn).__name__,
-            "compiled_nodes": len(nodes),
-            "hooked_tensors": len(packed),
-            "ctx_saved_tensors": len(ctx_saved),
-            "tensors_saved_outside_hook": len(unhooked),
-            "same_storages": set(hooked) == set(storages(ctx_saved)),
-        },
-    }
-    result["hook_check"]["ok"] = bool(
-        nodes and len(packed) == len(ctx_saved) and not unhooked and result["hook_check"]["same_storages"]
-    )
-    loss.backward()
-    return result
-
-
-def allocator_peak(fn: Callable, batch: dict, model: Any, steps: int = 3) -> dict:
-    """High-water mark of the bytes allocated during one step and still held, the least of ``steps``.
-
-    Allocation and free events of the c10 CPU allocator are matched by address; blocks allocated
-    before the step are left out (so are their frees). A tensor whose
-    last reference goes away on a gloo worker thread is freed without a recorded event (the profiler
-    records on the threads it runs on), so a single step can over-count by a few MiB; hence the
-    least of several steps, and an address that is allocated again counts as freed.
-    """
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    runs = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss = fn(batch)
-            with record_function(_BACKWARD_MARK):
-                loss.backward()
-        events, backward_start, stack = [], None, list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            event = stack.pop()
-            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-                events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
-            elif event.name == _BACKWARD_MARK:
-                backward_start = event.start_time_ns
-            stack.extend(event.children)
-        live: dict[int, int] = {}
-        held = peak = end_of_forward = 0
-        for when, size, ptr in sorted(events):
-            held -= live.pop(ptr, 0)
-            if size > 0:
-                live[ptr] = size
-                held += size
-            peak = max(peak, held)
-            if backward_start is None or when < backward_start:
-                end_of_forward = held
-        runs.append({"alloc_peak_bytes": peak, "alloc_end_of_forward_bytes": end_of_forward})
-    best = min(runs, key=lambda run: run["alloc_peak_bytes"])
-    return {**best, "alloc_peak_bytes_all_steps": [run["alloc_peak_bytes"] for run in runs]}
-
-
-def _status_bytes(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else -1
-
-
-def rss_peak(fn: Callable, batch: dict, model: Any) -> dict:
-    """Process RSS high-water mark during one step, above the RSS at its start (Linux only).
-
-    Freed heap memory is handed back to the OS first (glibc ``malloc_trim``), so that the step's
-    allocations show as RSS growth instead of reusing memory the process already holds.
-    """
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = _status_bytes("VmRSS")
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        train_step(fn, batch, model)
-        return {"rss_peak_delta_bytes": None}
-    train_step(fn, batch, model)
-    return {"rss_peak_delta_bytes": _status_bytes("VmHWM") - before}
-
-
-def memtracker_check(fn: Callable, batch: dict) -> dict:
-    """Does the compiled step still run compiled under MemTracker? (No: Dynamo skips frames under modes.)"""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    with MemTracker():
-        under = type(fn(batch).grad_fn).__name__
-    after = type(fn(batch).grad_fn).__name__
-    return {
-        "loss_grad_fn_under_memtracker": under,
-        "loss_grad_fn_after_memtracker": after,
-        "ran_compiled": under == "CompiledFunctionBackward",
-    }
-
-
-def rel_err(a: Any, b: Any) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def current_grads(model: Any) -> dict:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def grad_rel_err(grads: dict, reference: dict) -> float:
-    return max(rel_err(grads[name], reference[name]) for name in reference)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -489,11 +283,11 @@ def run_config(args, model, loss_step, seq_len: int, methods: list[str], checks:
         )
 
     for method in methods:
-        out[method].update(saved_for_backward(fns[method], batch, model))
+        out[method].update(saved_for_backward(lambda fn=fns[method]: fn(batch), model))
     for method in methods:
-        out[method].update(allocator_peak(fns[method], batch, model))
+        out[method].update(allocator_peak(lambda fn=fns[method]: fn(batch), model))
     for method in methods:
-        out[method].update(rss_peak(fns[method], batch, model))
+        out[method].update(rss_peak(lambda fn=fns[method]: train_step(fn, batch, model), model))
 
     times: dict[str, list[float]] = {method: [] for method in methods}
     for repeat in range(args.repeats):
@@ -518,7 +312,7 @@ def run_config(args, model, loss_step, seq_len: int, methods: list[str], checks:
             len(backends[method].reports) != out[method]["graphs"]
         )
     if "memtracker" not in checks:  # last: it leaves the step's code running eagerly until a Dynamo reset
-        checks["memtracker"] = memtracker_check(fns["sp"], batch)
+        checks["memtracker"] = memtracker_check(lambda: fns["sp"](batch))
     model.zero_grad(set_to_none=True)
     return out
 
@@ -529,10 +323,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    # Compile for real every time: the AOTAutograd/FX caches key on the graph and config, not on a
-    # solve_min_cut swapped in by DeepSpeed, so ds_sac would get sp's cached partition.
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
+    disable_compile_caches()  # else ds_sac would get sp's cached partition
     torch._inductor.config.compile_threads = 1  # no compile worker pool competing with the ranks
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=timedelta(minutes=30))
@@ -587,7 +378,7 @@ def print_debug(model_name: str, seq_len: int, figures: dict) -> None:
                 f"remat/fw/bw {part['remat_fw_bw']}"
             )
             for op, size in part["saved_bytes_by_op"].items():
-                names = [name for _, name in part["saved"] if _op_of(name) == op]
+                names = [name for _, name in part["saved"] if op_of(name) == op]
                 print(f"    {size / MiB:8.3f} MiB  {op:<48} {' '.join(names)}")
             if part["rematerialized_ops"]:
                 print(f"    recomputed in backward: {part['rematerialized_ops']}")
@@ -595,31 +386,6 @@ def print_debug(model_name: str, seq_len: int, figures: dict) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # report
-
-
-def machine_info() -> dict:
-    import lightning
-    import psutil
-    import torch
-    import transformers
-
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "transformers": transformers.__version__,
-        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-    }
-    with contextlib.suppress(Exception):
-        from importlib.metadata import version
-
-        info["deepspeed"] = version("deepspeed")
-    return info
 
 
 def assemble(args, gathered, methods, models, deepspeed, checks, elapsed) -> dict:
@@ -659,8 +425,7 @@ def assemble(args, gathered, methods, models, deepspeed, checks, elapsed) -> dic
                 }
             )
     return {
-        "command": os.environ.get("AUTOSP_BENCH_COMMAND")
-        or shlex.join(["torchrun", f"--nproc-per-node={len(ranks)}", "-m", "benchmarks.sac", *sys.argv[1:]]),
+        "command": bench_command("benchmarks.sac", sys.argv[1:]),
         "machine": machine_info(),
         "settings": {
             "ranks": len(ranks),
@@ -833,7 +598,7 @@ def render_markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = worker_argv(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.render:
         write_report(json.loads(args.out.read_text()), args.out)
