@@ -158,10 +158,11 @@ class ModelShape:
     def kv_heads_at_attention(self, sp_size: int) -> int:
         """K/V heads that reach attention (and its all-to-all) on ``sp_size`` ranks.
 
-        HF repeats K/V to all heads when it passes a mask; the SP pass repeats them to a multiple of
-        ``sp_size`` when they cannot be split (``compiler/sp_pass.py``).
+        HF repeats K/V to all heads when it passes a mask; the SP pass (sp_size > 1) undoes that repeat
+        and repeats them only to a multiple of ``sp_size`` when they cannot be split
+        (``compiler/sp_pass.py``).
         """
-        if self.repeats_kv:
+        if self.repeats_kv and sp_size == 1:
             return self.heads
         if self.kv_heads % sp_size:
             return self.kv_heads * (sp_size // math.gcd(self.kv_heads, sp_size))

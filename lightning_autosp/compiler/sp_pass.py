@@ -221,6 +221,15 @@ def insert_all_to_all_pass(
         args = bind(match.node, _SDPA_SIGNATURE)
         with graph.inserting_before(match.node):
             key, value = match.key, match.value
+            unrepeated = _before_kv_repeat(match)
+            if unrepeated is not None:
+                # Send the K/V heads the model has, not its copies; SDPA pairs the heads (enable_gqa).
+                key, value = unrepeated
+                kv_heads = example_value(key).shape[match.head_dim]
+                args["enable_gqa"] = True
+                report.replicated_kv_heads.append(
+                    f"{match.node.name}: K/V sent with their {kv_heads} heads, paired by enable_gqa"
+                )
             if kv_heads % world:
                 repeats = world // math.gcd(kv_heads, world)
                 key = _call(graph, torch.repeat_interleave, (key, repeats), {"dim": match.head_dim})
@@ -259,6 +268,45 @@ def insert_all_to_all_pass(
         report.attention.append(match.node.name)
         report.all_to_alls += 4
     return gm
+
+
+def _repeat_source(node: fx.Node, head_dim: int) -> tuple[fx.Node, int] | None:
+    """``(x, n)`` if ``node`` is ``x[:, :, None].expand(.., n, ..).reshape(..)``: K/V heads repeated n times
+    (HF's ``repeat_kv``), else None."""
+    if node.op != "call_method" or node.target not in ("reshape", "view"):
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, fx.Node) or expand.op != "call_method" or expand.target != "expand":
+        return None
+    unsqueezed = expand.args[0]
+    if not isinstance(unsqueezed, fx.Node) or unsqueezed.target is not operator.getitem:
+        return None
+    source = unsqueezed.args[0]
+    values = [example_value(n) for n in (node, expand, unsqueezed, source)]
+    if not all(isinstance(v, torch.Tensor) for v in values) or not isinstance(source, fx.Node):
+        return None
+    out, expanded, middle, original = values
+    if original.dim() != 4 or middle.dim() != 5 or middle.shape[head_dim + 1] != 1:
+        return None
+    repeats = expanded.shape[head_dim + 1]
+    expected = list(original.shape)
+    expected[head_dim] *= repeats
+    unsqueezed_shape = [*original.shape[: head_dim + 1], 1, *original.shape[head_dim + 1 :]]
+    if list(out.shape) != expected or list(middle.shape) != unsqueezed_shape:
+        return None
+    return source, repeats
+
+
+def _before_kv_repeat(match: AttentionMatch) -> tuple[fx.Node, fx.Node] | None:
+    """K and V before a ``repeat_kv`` in front of SDPA, when both repeat alike and nothing else uses them."""
+    if match.head_dim != 1 or bind(match.node, _SDPA_SIGNATURE)["enable_gqa"]:
+        return None
+    key, value = _repeat_source(match.key, 1), _repeat_source(match.value, 1)
+    if key is None or value is None or key[1] != value[1] or key[1] < 2:
+        return None
+    if len(match.key.users) != 1 or len(match.value.users) != 1:
+        return None
+    return key[0], value[0]
 
 
 def _heads_error(shard: SequenceShard, heads: int, name: str) -> str:

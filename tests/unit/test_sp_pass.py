@@ -111,15 +111,20 @@ def test_only_token_inputs_are_sharded() -> None:
     [
         ("llama-kv1", True, True),  # 1 KV head over sp=2: replicated to 2 before the all-to-all
         ("llama-kv2", True, False),  # 2 KV heads split over sp=2 as they are
-        ("llama-kv1", False, False),  # HF repeats KV to 4 heads itself when SDPA does not do GQA
+        ("llama-kv1", False, True),  # HF's own repeat to 4 heads is undone: 1 head sent, replicated to 2
+        ("llama-kv2", False, False),  # HF's repeat undone: 2 heads sent, split as they are
     ],
 )
 def test_gqa_kv_heads(kind: str, gqa: bool, repeated: bool) -> None:
     rewritten = rewritten_step(kind, 24, 2, 0, gqa=gqa)
     gm, report = rewritten.gm, rewritten.report
     attention = find_attention(gm)
-    assert all(m.node.kwargs["enable_gqa"] is gqa for m in attention)
+    assert all(m.node.kwargs["enable_gqa"] is True for m in attention)
+    undone = [line for line in report.replicated_kv_heads if "paired by enable_gqa" in line]
+    assert len(undone) == (0 if gqa else len(attention))
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "expand"]
     repeats = nodes_with_target(gm, torch.repeat_interleave)
+    replicated = [line for line in report.replicated_kv_heads if line not in undone]
     if repeated:
         assert len(repeats) == 2 * len(attention)
         assert all(n.args[1] == 2 and n.kwargs == {"dim": 1} for n in repeats)
@@ -127,16 +132,15 @@ def test_gqa_kv_heads(kind: str, gqa: bool, repeated: bool) -> None:
             assert match.key.args[0].target is torch.repeat_interleave
             assert match.value.args[0].target is torch.repeat_interleave
             assert match.query.args[0].target is not torch.repeat_interleave
-        assert len(report.replicated_kv_heads) == len(attention)
-        assert all(line.endswith("1 -> 2") for line in report.replicated_kv_heads)
+        assert len(replicated) == len(attention)
+        assert all(line.endswith("1 -> 2") for line in replicated)
     else:
         assert repeats == []
-        assert report.replicated_kv_heads == []
+        assert replicated == []
 
     fake_propagate(gm, rewritten.example_inputs)
-    kv_heads = 1 if gqa else 2  # per rank after the all-to-all
-    for match in attention:
-        assert fake_shape(match.key) == fake_shape(match.value) == (B, kv_heads, 24, 8)
+    for match in attention:  # K/V cross the all-to-all with the heads the model has, not HF's copies
+        assert fake_shape(match.key) == fake_shape(match.value) == (B, 1, 24, 8)
         assert fake_shape(match.query) == (B, 2, 24, 8)
 
 
