@@ -243,7 +243,11 @@ def insert_all_to_all_pass(
             mask = args["attn_mask"]
             if mask is not None:
                 ctx.check_unambiguous(other_sizes, f"the attention mask of {match.node.name}")
-            if mask is not None and mask not in derived and is_causal_mask(gm, mask, ctx):
+            if (
+                mask is not None
+                and mask not in derived
+                and (_from_causal_marker(mask) or is_causal_mask(gm, mask, ctx))
+            ):
                 # An S x S mask per rank would grow with the global length; is_causal needs none.
                 mask, args["is_causal"] = None, True
                 report.masks.append(f"{match.node.name}: causal mask -> is_causal=True")
@@ -513,8 +517,12 @@ def globalize_split_masks_pass(
         if value.op != "placeholder" and value not in derived and local_mask:
             ctx.check_unambiguous(other_sizes, f"the mask {value.name}")
             with graph.inserting_before(output):
-                rebuilt[value] = _rebuild_at_global_length(graph, value, ctx)
-            report.masks.append(f"{value.name}: handed on at global length")
+                if is_causal_mask(gm, value, ctx):
+                    rebuilt[value] = _causal_marker(graph, example_value(value), ctx)
+                    report.masks.append(f"{value.name}: causal, handed on as an empty marker")
+                else:
+                    rebuilt[value] = _rebuild_at_global_length(graph, value, ctx)
+                    report.masks.append(f"{value.name}: handed on at global length")
         elif value.op != "placeholder" and local_mask and is_token_mask(value, derived):
             ctx.check_unambiguous(other_sizes, f"the mask {value.name}")
             rebuilt[value] = globalize_token_mask(graph, value, ctx, derived, user="the next graph")
@@ -528,6 +536,11 @@ def globalize_split_masks_pass(
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
         value = example_value(node)
+        if node in mask_inputs and _is_causal_marker(example, ctx):
+            node.meta["example_value"] = example
+            node.meta[_CAUSAL_MARKER] = True
+            report.masks.append(f"{node.name}: received as a causal marker")
+            continue
         if node in mask_inputs and node not in derived and _is_local_square(value, ctx):
             shape = (*value.shape[:-2], ctx.shard.global_len, ctx.shard.global_len)
             mode = getattr(example, "fake_mode", None) or getattr(value, "fake_mode", None)
@@ -540,6 +553,33 @@ def globalize_split_masks_pass(
                 example_inputs[index] = global_value
             report.masks.append(f"{node.name}: received at global length")
     return gm
+
+
+_CAUSAL_MARKER = "autosp_causal_marker"
+
+
+def _causal_marker(graph: fx.Graph, mask: torch.Tensor, ctx: SPContext) -> fx.Node:
+    """An empty [..., 0, S] stand-in for a causal mask handed to the next sub-graph.
+
+    The next graph cannot tell a causal mask from its values at trace time; an empty tensor of this
+    shape (which no mask has) says so, and costs nothing at run time.
+    """
+    shape = (*mask.shape[:-2], 0, ctx.shard.global_len)
+    return _call(graph, torch.empty, (shape,), {"dtype": mask.dtype, "device": mask.device})
+
+
+def _is_causal_marker(example: object, ctx: SPContext) -> bool:
+    return (
+        isinstance(example, torch.Tensor)
+        and example.dim() >= 2
+        and tuple(example.shape[-2:]) == (0, ctx.shard.global_len)
+    )
+
+
+def _from_causal_marker(mask: fx.Node) -> bool:
+    """Whether ``mask`` is (a view of) a received causal marker and nothing else."""
+    inputs = [n for n in _ancestors(mask) if n.op == "placeholder"]
+    return bool(inputs) and all(n.meta.get(_CAUSAL_MARKER) for n in inputs)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
