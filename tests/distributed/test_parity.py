@@ -181,6 +181,16 @@ def test_ddp_buckets_split_the_graph(two_rank_results):
 
 
 @pytest.mark.timeout(700)
+def test_causal_mask_crosses_sub_graphs_as_a_marker_not_an_s_by_s_tensor(two_rank_results):
+    # HF builds its causal mask in the first bucket's graph; the later graphs must get is_causal, not [S, S].
+    for per_case in two_rank_results.values():
+        explain = per_case["llama_ddp_buckets"]["explain"]
+        assert "causal, handed on as an empty marker" in explain
+        assert "received as a causal marker" in explain
+        assert "received at global length" not in explain
+
+
+@pytest.mark.timeout(700)
 def test_parity_breaks_without_the_sp_pass(two_rank_results):
     # Negative control: same harness, passes disabled; the parity check must notice.
     result = two_rank_results[0]["gpt_sp_pass_off"]
