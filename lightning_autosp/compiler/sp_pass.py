@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.node import map_aggregate
 
 from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
 from lightning_autosp.compiler.analysis import (
@@ -381,13 +382,7 @@ def is_causal_mask(gm: fx.GraphModule, mask: fx.Node, ctx: SPContext) -> bool:
         log.info("mask %s: not probed for causality (probe length %d too long); kept dense", mask, probe)
         return False
     graph = fx.Graph()
-    copies: dict[fx.Node, fx.Node] = {}
-    for producer in gm.graph.nodes:
-        if producer in producers:
-            copy = graph.node_copy(producer, lambda n: copies[n])
-            copy.args = _replace_int(copy.args, local, probe)
-            copy.kwargs = _replace_int(copy.kwargs, local, probe)
-            copies[producer] = copy
+    copies = _copy_at_length([n for n in gm.graph.nodes if n in producers], graph, local, probe)
     graph.output(copies[mask])
     try:
         with unset_fake_temporarily(), torch.no_grad():
@@ -407,17 +402,9 @@ def is_causal_mask(gm: fx.GraphModule, mask: fx.Node, ctx: SPContext) -> bool:
 
 
 def _ints(value: object) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, slice):
-        return _ints((value.start, value.stop, value.step))
-    if isinstance(value, (tuple, list)):
-        return [i for v in value for i in _ints(v)]
-    if isinstance(value, dict):
-        return _ints(list(value.values()))
-    return []
+    found: list[int] = []
+    map_aggregate(value, lambda v: found.append(v) if type(v) is int else None)  # bools are not sizes
+    return found
 
 
 def _global_mask(
@@ -458,18 +445,34 @@ def _rebuild_at_global_length(
 
     ``inputs`` replaces graph inputs in the copy (per-token inputs by their gathered values).
     """
-    local, total = ctx.shard.local_len, ctx.shard.global_len
     producers = _ancestors(node)
-    copies: dict[fx.Node, fx.Node] = dict(inputs or {})
-    for producer in list(graph.nodes):
-        if producer not in producers or producer.op in ("placeholder", "get_attr"):
-            continue
-        copy = graph.node_copy(producer, lambda n: copies.get(n, n))
-        copy.args = _replace_int(copy.args, local, total)
-        copy.kwargs = _replace_int(copy.kwargs, local, total)
-        copy.meta = {_GLOBAL_MASK: True}
-        copies[producer] = copy
+    computed = [n for n in graph.nodes if n in producers and n.op not in ("placeholder", "get_attr")]
+    copies = _copy_at_length(
+        computed, graph, ctx.shard.local_len, ctx.shard.global_len, dict(inputs or {}), {_GLOBAL_MASK: True}
+    )
     return copies.get(node, node)
+
+
+def _copy_at_length(
+    nodes: list[fx.Node],
+    into: fx.Graph,
+    old: int,
+    new: int,
+    copies: dict[fx.Node, fx.Node] | None = None,
+    meta: dict | None = None,
+) -> dict[fx.Node, fx.Node]:
+    """Copy ``nodes`` (in graph order) into ``into`` with every integer ``old`` in their arguments
+    replaced by ``new``; returns original -> copy. ``copies`` supplies replacements for inputs;
+    arguments with none are used as they are. ``meta``, if given, replaces each copy's meta."""
+    copies = {} if copies is None else copies
+    for node in nodes:
+        copy = into.node_copy(node, lambda n: copies.get(n, n))
+        copy.args = _replace_int(copy.args, old, new)
+        copy.kwargs = _replace_int(copy.kwargs, old, new)
+        if meta is not None:
+            copy.meta = dict(meta)
+        copies[node] = copy
+    return copies
 
 
 _MASK_BUILDERS = {"triu", "tril", "masked_fill", "where", "full", "le", "lt", "ge", "gt"}
