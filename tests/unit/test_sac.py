@@ -10,6 +10,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from benchmarks.common import allocator_peak
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.sac import (
     SequenceAwarePartitioner,
@@ -193,31 +194,6 @@ def test_sac_never_reruns_a_collective_in_backward(gloo_group: str) -> None:
     assert counts[True] == counts[False] == 4 * 2 + 1  # one per forward all-to-all, plus the loss
 
 
-def _allocator_peak(step) -> int:
-    """High-water mark of CPU allocator bytes during one step, from the profiler's allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted(
-        (e.start_time_ns, e.extra_fields.alloc_size)
-        for e in prof.profiler.kineto_results.experimental_event_tree()
-        for e in _walk(e)
-        if e.tag == torch._C._profiler._EventType.Allocation
-    )
-    held = peak = 0
-    for _, size in events:
-        held += size
-        peak = max(peak, held)
-    return peak
-
-
-def _walk(event):
-    yield event
-    for child in event.children:
-        yield from _walk(child)
-
-
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_saving_block_inputs_bounds_backward_peak_memory(family: str) -> None:
     """Backward rebuilds one block at a time, so SAC's peak is well under the no-SAC peak.
@@ -239,7 +215,7 @@ def test_saving_block_inputs_bounds_backward_peak_memory(family: str) -> None:
         backend = AutoSPBackend(None, compiler="aot_eager", sac=sac)
         step = torch.compile(loss_fn, backend=backend, dynamic=False)
         step().backward()
-        peaks[sac] = min(_allocator_peak(lambda step=step: step().backward()) for _ in range(2))
+        peaks[sac] = allocator_peak(step, model, steps=2)["alloc_peak_bytes"]
         (reports[sac],) = backend.sac_reports
     assert reports[True].saved_bytes < reports[False].saved_bytes / 2
     assert peaks[True] < 0.6 * peaks[False], peaks
