@@ -9,9 +9,9 @@ state (``lightning_autosp.fsdp.local_state_bytes``: the local shards under fsdp)
 (coarse: it includes the Python and torch baseline and the activations). Writes
 ``benchmarks/results/fsdp_memory.json`` and ``.md``.
 
-The state figures are what persists between steps. Within a step, FSDP2 all-gathers each unit for its
-forward and backward (Note [FSDP units under a compiled step] in ``lightning_autosp/fsdp.py``), so the
-in-step peak also holds the whole parameters and gradients of the largest unit for a while.
+The state figures are what persists between steps. Within a step, FSDP2 all-gathers the unit (the
+LightningModule; Note [FSDP units under a compiled step] in ``lightning_autosp/fsdp.py``), so the in-step
+peak also holds the whole parameters and gradients for a while.
 """
 
 from __future__ import annotations

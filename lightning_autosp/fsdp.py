@@ -7,18 +7,19 @@ reduce-scatter averages over the world, as DDP's all-reduce does, and the loss a
 supplies the sp factor (Note [Loss over sequence shards] in ``compiler/sp_pass.py``).
 
 Note [FSDP units under a compiled step]
-    FSDP2 (torch 2.13) wraps its forward hooks in ``torch._dynamo.disable``: calling an FSDP unit from
-    compiled code is a graph break. A graph break inside a ``for`` loop makes Dynamo skip the whole
-    frame (``graph break in loop``), and every transformer runs its blocks in such a loop, so sharding
-    the blocks as units would run the model's outer frame (positions, masks, the residual stream)
-    eagerly, without sequence parallelism; the strategy then raises. The units are therefore the
-    LightningModule's children that hold parameters (e.g. ``self.model``): the step calls them
-    outside any loop, Dynamo breaks the graph at the call and compiles the model's ``forward`` as a
-    frame of its own, and the SP pass rewrites each sub-graph. The price: a unit is all-gathered whole
-    for the step, so the in-step peak holds the full parameters and gradients of the largest unit (with
-    the usual single ``self.model``, the whole model); between steps, and for the optimizer state
-    always, each rank holds 1/world. Units the user shards in ``configure_model`` are kept, and work
-    when the model calls them outside loops (e.g. the LM head; tested).
+    FSDP2 (torch 2.13) wraps its hooks in ``torch._dynamo.disable`` (tracing them was dropped
+    upstream, pytorch/pytorch#174863): calling an FSDP unit from compiled code is a graph break, and a
+    graph break inside a ``for`` loop makes Dynamo skip the whole frame (``graph break in loop``).
+    Every transformer runs its blocks in such a loop, so sharding the blocks as units would run the
+    model's outer frame (positions, masks, the residual stream) eagerly, without sequence parallelism;
+    the strategy then raises. The unit is therefore the LightningModule itself, and the strategy calls
+    each step through the module's ``__call__`` (Lightning's forward redirection): FSDP2 all-gathers
+    before the compiled step and registers its backward hooks on the step's outputs, and the step
+    compiles as one graph, loss included (the chunked LM head and loss need the head and the loss in
+    one graph). The price: the parameters are all-gathered whole for the step, so the in-step peak
+    holds the full parameters and gradients; between steps, and for the optimizer state always, each
+    rank holds 1/world. Units the user shards in ``configure_model`` are kept, and work when the model
+    calls them outside loops (e.g. the LM head; tested).
 
 Checkpoints follow Lightning's ``ModelParallelStrategy``: a full state dict assembled on rank 0 (a
 plain Lightning checkpoint, interchangeable with ``data_parallel="ddp"`` and loadable on one device),
@@ -76,34 +77,17 @@ def build_world_mesh(device_type: str, world_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=(WORLD,))
 
 
-def default_shard_units(module: nn.Module) -> list[nn.Module]:
-    """The children of ``module`` that hold parameters: the FSDP units.
-
-    See Note [FSDP units under a compiled step]. Raises NotImplementedError when ``module`` registers
-    parameters itself: no unit would own them.
-    """
-    own = [name for name, _ in module.named_parameters(recurse=False)]
-    if own:
-        raise NotImplementedError(
-            f"data_parallel='fsdp' shards the LightningModule's submodules, but {own} are parameters of the "
-            "LightningModule itself. Move them into a submodule, or shard in configure_model with "
-            "fully_shard(submodule) (its default mesh is all ranks)."
-        )
-    return [child for child in module.children() if next(child.parameters(), None) is not None]
-
-
 def shard_module(module: nn.Module, mesh: DeviceMesh) -> None:
-    """``fully_shard`` each unit of ``module`` over ``mesh``, unless the user sharded it in configure_model.
+    """``fully_shard`` ``module`` over ``mesh`` as one unit, unless the user sharded it in configure_model.
 
-    A user's own sharding is kept as it is, once checked: every parameter must be a DTensor spread over
-    all ranks (``fully_shard``'s default mesh, or a 2-D one for HSDP), or gradients would not be summed
-    over the sp ranks that each hold part of them.
+    See Note [FSDP units under a compiled step]. A user's own sharding is kept as it is, once checked:
+    every parameter must be a DTensor spread over all ranks (``fully_shard``'s default mesh, or a 2-D
+    one for HSDP), or gradients would not be summed over the sp ranks that each hold part of them.
     """
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         check_user_sharding(module, mesh.size())
         return
-    for unit in default_shard_units(module):
-        fully_shard(unit, mesh=mesh)
+    fully_shard(module, mesh=mesh)
 
 
 def check_user_sharding(module: nn.Module, world_size: int) -> None:

@@ -480,7 +480,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     else:
         W = setup.devices
         # The all-gathered parameters of the units alive at once, and their unsharded gradients
-        # before the reduce-scatter: the whole model when the LightningModule's children are the units
+        # before the reduce-scatter: the whole model when the LightningModule is the unit
         # (lightning_autosp/fsdp.py), two blocks (one prefetched) or the embeddings when each block is.
         unit = N if setup.fsdp_units == "model" else max(2 * shape.layer_params, shape.embedding_params)
         params, grads, optimizer = N * pb // W, N * pb // W + unit * pb, state // W
@@ -704,7 +704,7 @@ def plan(
         chunked_loss / loss_chunk_tokens: as ``AutoSPStrategy``'s options of the same names.
         optimizer_states: tensors per parameter the optimizer keeps (2 for Adam/AdamW, 1 for SGD with
             momentum).
-        fsdp_units: "model": the LightningModule's children are the FSDP units, as the strategy shards
+        fsdp_units: "model": the LightningModule is the FSDP unit, as the strategy shards
             today (a unit is gathered whole for the step); "block": one unit per transformer block.
         reserve: share of ``memory_per_device`` left for the CUDA context, NCCL and fragmentation.
     """

@@ -26,7 +26,9 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -55,6 +57,12 @@ from lightning_autosp.mesh import (
 )
 
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+_STEP_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
 _LOGGING = ("log", "log_dict")
 
 
@@ -283,6 +291,32 @@ class AutoSPStrategy(DDPStrategy):
                 module.__dict__.pop(name, None)
         self._original_steps.clear()
         super().teardown()
+
+    # Under data_parallel="fsdp" the LightningModule is the FSDP unit, so every step is called through
+    # its ``__call__`` (Lightning's forward redirection): FSDP2's hooks, which are graph breaks, then
+    # run around the compiled step instead of inside it (Note [FSDP units under a compiled step]).
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._call_step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._call_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._call_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call_step("predict_step", *args, **kwargs)
+
+    def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self.model, FSDPModule):  # DDP wraps the module: Lightning redirects already
+            return getattr(super(), name)(*args, **kwargs)
+        with getattr(self.precision_plugin, _STEP_CONTEXTS[name])():
+            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
 
     # Checkpoints under data_parallel="fsdp", as Lightning's ModelParallelStrategy does them: the
     # strategy loads weights and optimizer states itself once they are sharded, after setup.

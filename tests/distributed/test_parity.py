@@ -118,6 +118,14 @@ def test_parity_fsdp(two_rank_results, case):
 
 
 @pytest.mark.timeout(700)
+def test_fsdp_hooks_stay_outside_the_compiled_step_so_the_loss_is_chunked(two_rank_results):
+    # The LM head (in the model) and the loss (in training_step) meet in one graph only when FSDP2's
+    # hooks, which are graph breaks, run around the step rather than at the model's call inside it.
+    for per_case in two_rank_results.values():
+        assert "chunk(s) of 5" in per_case["fsdp_gpt"]["explain"], per_case["fsdp_gpt"]["explain"]
+
+
+@pytest.mark.timeout(700)
 def test_fsdp_units_inside_the_layer_loop_are_an_error(two_rank_results):
     # FSDP2's hooks are graph breaks; inside the loop over layers Dynamo skips the frame, and the
     # strategy refuses to train that frame without sequence parallelism.

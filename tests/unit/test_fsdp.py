@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.fsdp import check_user_sharding, default_shard_units, local_state_bytes
+from lightning_autosp.fsdp import check_user_sharding, local_state_bytes
 from tests.distributed.modules import GPTModule
 
 
@@ -32,19 +32,6 @@ def test_ddp_is_the_default_and_keeps_lightnings_checkpoint_path():
     strategy = AutoSPStrategy(sp_size=2)
     assert strategy.data_parallel == "ddp"
     assert not strategy.restore_checkpoint_after_setup and strategy.lightning_restore_optimizer
-
-
-def test_units_are_the_children_that_hold_parameters():
-    module = GPTModule()
-    module.no_params = nn.ReLU()
-    assert default_shard_units(module) == [module.model]
-
-
-def test_parameters_of_the_lightning_module_itself_are_refused():
-    module = GPTModule()
-    module.scale = nn.Parameter(torch.ones(1))
-    with pytest.raises(NotImplementedError, match=r"\['scale'\] are parameters of the LightningModule"):
-        default_shard_units(module)
 
 
 def test_user_sharding_must_cover_every_parameter():
