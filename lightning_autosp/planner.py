@@ -26,7 +26,8 @@ Note [What is saved for backward]
       ([S, S], not divided by P) and, under autocast, the low-precision copies of the matmul weights.
 
     Dtypes under bf16-mixed: matmul outputs bf16, the residual stream fp32 (the embeddings are
-    fp32), rotary q and k fp32 (cos and sin are fp32), so q and k cross the all-to-all in fp32.
+    fp32). Rotary q and k come out fp32 (cos and sin are fp32); the SP pass casts them to bf16
+    before the all-to-all, as attention would after it.
 
 Note [Step peak]
     peak = params + optimizer + comm buffers + attention mask
@@ -372,7 +373,6 @@ class _Sizes:
     head_tokens: int  # B * S / P: per-head-dim elements of q in head layout
     x: int  # matmul outputs
     r: int  # residual stream
-    qk: int  # q and k at the all-to-all (fp32 under autocast with rotary embeddings)
     kv_width: int  # h_kv at attention
 
     @classmethod
@@ -380,13 +380,11 @@ class _Sizes:
         P, B = setup.sp_size, setup.batch_size
         x = setup.act_bytes
         r = setup.param_bytes if setup.mixed else x
-        qk = 4 if setup.mixed and shape.rotary else x
         return cls(
             tokens=B * math.ceil(seq_len / P),
             head_tokens=B * seq_len // P,
             x=x,
             r=r,
-            qk=qk,
             kv_width=shape.kv_heads_at_attention(P) * shape.d,
         )
 
@@ -412,7 +410,7 @@ def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str
     if setup.sac:
         saved = {"attention out + logsumexp": L * s.head_tokens * (q * s.x + shape.heads * 4)}
         if setup.sp_size > 1:
-            saved["q, k, v after all-to-all"] = L * s.head_tokens * (q * s.qk + s.kv_width * (s.qk + s.x))
+            saved["q, k, v after all-to-all"] = L * s.head_tokens * (q + 2 * s.kv_width) * s.x
             saved["attention out after all-to-all"] = L * T * q * s.x
             saved["labels"] = T * 8
         saved["block inputs"] = (L - 1) * T * h * s.r
@@ -473,7 +471,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     N = shape.param_count
     pb = setup.param_bytes
     state = N * pb * setup.optimizer_states
-    a2a_staging = 2 * s.head_tokens * q * s.qk if setup.sp_size > 1 else 0
+    a2a_staging = 2 * s.head_tokens * q * s.x if setup.sp_size > 1 else 0
     if setup.data_parallel == "ddp":
         params, grads, optimizer = N * pb, N * pb, state
         dp_buffers = N * pb  # DDP's gradient buckets (gradient_as_bucket_view=False)
@@ -522,7 +520,7 @@ def a2a_bytes_per_step(shape: ModelShape, setup: Setup, seq_len: int) -> int:
         return 0
     s = _Sizes.of(shape, setup, seq_len)
     q = shape.attention_width
-    per_token = q * s.qk + s.kv_width * (s.qk + s.x) + q * s.x
+    per_token = (q + 2 * s.kv_width) * s.x + q * s.x
     return round(2 * shape.layers * s.head_tokens * (P - 1) / P * per_token)
 
 

@@ -63,6 +63,7 @@ class SPReport:
     all_to_alls: int = 0
     ring_attention: list[str] = field(default_factory=list)
     replicated_kv_heads: list[str] = field(default_factory=list)
+    casts: list[str] = field(default_factory=list)
     masks: list[str] = field(default_factory=list)
     positions: list[str] = field(default_factory=list)
     slices: list[str] = field(default_factory=list)
@@ -74,6 +75,7 @@ class SPReport:
         for title, items in (
             ("ring attention (K/V passed around the ring group)", self.ring_attention),
             ("KV heads replicated", self.replicated_kv_heads),
+            ("cast to attention's dtype before the all-to-all", self.casts),
             ("masks rebuilt at global length", self.masks),
             ("positions made global", self.positions),
             ("sequence slices/pads made global", self.slices),
@@ -239,7 +241,7 @@ def insert_all_to_all_pass(
             dims = (match.head_dim, match.seq_dim)
             q, k, v = (
                 _call(graph, torch.ops.autosp.seq_to_head.default, (t, *dims, *ctx.ulysses_comm_args))
-                for t in (match.query, key, value)
+                for t in _in_attention_dtype(graph, match, (match.query, key, value), report)
             )
             mask = args["attn_mask"]
             if mask is not None:
@@ -273,6 +275,26 @@ def insert_all_to_all_pass(
         report.attention.append(match.node.name)
         report.all_to_alls += 4
     return gm
+
+
+def _in_attention_dtype(
+    graph: fx.Graph, match: AttentionMatch, tensors: tuple[fx.Node, ...], report: SPReport
+) -> tuple[fx.Node, ...]:
+    """Cast q, k, v to the dtype attention computes in before they cross the all-to-all.
+
+    Under autocast, attention casts its inputs to the autocast dtype; HF's rotary embeddings leave q
+    and k in float32 (cos and sin are float32), which would double their all-to-all bytes and their
+    saved copies. An all-to-all only moves elements, so casting before it is what autocast would do
+    after it. Attention's traced output dtype differs from an input's only when autocast casts.
+    """
+    compute_dtype = example_value(match.node).dtype
+    cast = []
+    for tensor in tensors:
+        if example_value(tensor).dtype != compute_dtype:
+            report.casts.append(f"{tensor.name} {example_value(tensor).dtype} -> {compute_dtype}")
+            tensor = _call(graph, torch.Tensor.to, (tensor, compute_dtype))
+        cast.append(tensor)
+    return tuple(cast)
 
 
 def _repeat_source(node: fx.Node, head_dim: int) -> tuple[fx.Node, int] | None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler.analysis import find_attention, find_sharded_inputs
+from lightning_autosp.compiler.analysis import example_value, find_attention, find_sharded_inputs
 from lightning_autosp.compiler.sp_pass import (
     _GLOBAL_MASK,
     SPContext,
@@ -474,3 +474,21 @@ def test_hand_written_attention_is_refused() -> None:
     captured = capture(step, torch.randn(B, shard.local_len, 8))
     with pytest.raises(NotImplementedError, match="scaled_dot_product_attention"):
         sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+
+
+def test_q_and_k_cross_the_all_to_all_in_autocasts_dtype() -> None:
+    # HF's rotary embeddings leave q and k in float32 under bf16 autocast (cos/sin are float32); SDPA
+    # would cast them to bf16 after the all-to-all anyway, so the pass casts before it: half the bytes.
+    batch, shard = shard_batch(global_batch(2, 24), world=2, rank=0)
+    step = training_step("llama-kv2")
+
+    def autocast_step(batch: dict) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return step(batch)
+
+    captured = capture(autocast_step, batch)
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    inputs = [n.args[0] for n in nodes_with_target(gm, SEQ_TO_HEAD)]
+    assert len(inputs) == 6
+    assert {example_value(n).dtype for n in inputs} == {torch.bfloat16}
+    assert len(report.casts) == 4 and all(line.endswith("float32 -> torch.bfloat16") for line in report.casts)
