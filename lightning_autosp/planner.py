@@ -38,9 +38,9 @@ Note [Step peak]
     gradient for T tokens, or for one chunk with the chunked loss) and one layer's backward: with
     SAC the layer rebuilt (what it would save without SAC, less q, k, v and the attention outputs,
     which SAC keeps), plus the gradients of the residual stream, of the MLP (three MLP-wide ones when
-    a gated MLP is rebuilt) and of q, k, v. Against allocator peaks measured on CPU
-    (``benchmarks/planner.py --peak``, 2-layer models, where one layer's workspace is a large share
-    of the peak) it errs from -29% to +21% under Inductor; the saved activations, which dominate at
+    a gated MLP is rebuilt), of the norms (fp32 under autocast) and of q, k, v. Against allocator peaks
+    measured on CPU (``benchmarks/planner.py --peak``, 2-layer models, where one layer's workspace is
+    a large share of the peak) it errs from -20% to +21%; the saved activations, which dominate at
     scale, are within 7%.
     ``reserve`` (default 10% of the device) is left for the CUDA context, NCCL and fragmentation.
 """
@@ -506,7 +506,10 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     # Rebuilding a gated MLP in backward holds the gradients of both branches and of their product at
     # once (Inductor's backward graphs on CPU); with SAC off one MLP-wide gradient at a time.
     mlp_gradients = (3 if shape.gated_mlp and setup.sac else 1) * T * inner * s.x
-    gradients = T * h * s.r + mlp_gradients + s.head_tokens * (q + 2 * s.kv_width) * s.x
+    # Norms run in fp32 under autocast (HF's RMSNorm upcasts; layer_norm is on autocast's fp32 list):
+    # their backward holds an fp32 gradient and temporary the width of the residual stream.
+    norm_gradients = 2 * T * h * 4 if setup.mixed else 0
+    gradients = T * h * s.r + mlp_gradients + norm_gradients + s.head_tokens * (q + 2 * s.kv_width) * s.x
     return MemoryBreakdown(
         params=params,
         grads=grads,
