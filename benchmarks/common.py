@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,29 @@ def relaunch_under_torchrun(module: str, argv: list[str], *, nproc: int, threads
     }
     env.setdefault("PYTHONWARNINGS", "ignore")
     return subprocess.run([*torchrun, "-m", module], cwd=ROOT, env=env).returncode
+
+
+def launch_and_time(
+    module: str,
+    argv: list[str],
+    *,
+    nproc: int,
+    threads: int,
+    out: Path,
+    write_report: Callable[[dict, Path], None],
+) -> int:
+    """``relaunch_under_torchrun``, then add the launcher's wall time to the report the workers wrote at
+    ``out`` (rewritten with ``write_report``); the exit code."""
+    command = f"python -m {module}" + (" " + shlex.join(argv) if argv else "")
+    start = time.perf_counter()
+    rc = relaunch_under_torchrun(module, argv, nproc=nproc, threads=threads, command=command)
+    wall = time.perf_counter() - start
+    print(f"\n{command}: exit code {rc}, {wall:.0f} s wall time", flush=True)
+    if rc == 0 and out.exists():
+        report = json.loads(out.read_text())
+        report["wall_s_launcher"] = round(wall, 1)
+        write_report(report, out)
+    return rc
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -232,6 +255,33 @@ def _itemsize(dtype: Any) -> int:
     return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
 
 
+def bytes_held(allocations: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int]]:
+    """``(time, bytes held)`` after each CPU allocator event ``(time, size, address)`` (a free has a negative
+    size). Events are matched by address, so blocks allocated before the profile, and their frees, are left
+    out; an address allocated again counts as freed."""
+    live: dict[int, int] = {}
+    held = 0
+    for when, size, ptr in sorted(allocations):
+        held -= live.pop(ptr, 0)
+        if size > 0:
+            live[ptr] = size
+            held += size
+        yield when, held
+
+
+def cpu_allocation_peak(profiler: Any) -> int:
+    """High-water mark of the CPU allocator's bytes allocated (and still held) in a finished profile."""
+    from torch._C._profiler import _EventType
+
+    allocations, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
+        stack.extend(event.children)
+    return max((held for _, held in bytes_held(allocations)), default=0)
+
+
 def profiled_step(forward: Forward, backward: Backward = _plain_backward) -> dict:
     """One step under the profiler: c10 CPU allocator high-water mark and the collectives it ran.
 
@@ -262,13 +312,8 @@ def profiled_step(forward: Forward, backward: Backward = _plain_backward) -> dic
         elif _COLLECTIVE.match(event.name):
             ops.append(event)
         stack.extend(event.children)
-    live: dict[int, int] = {}
-    held = peak = end_of_forward = 0
-    for when, size, ptr in sorted(allocations):
-        held -= live.pop(ptr, 0)
-        if size > 0:
-            live[ptr] = size
-            held += size
+    peak = end_of_forward = 0
+    for when, held in bytes_held(allocations):
         peak = max(peak, held)
         if backward_start is None or when < backward_start:
             end_of_forward = held

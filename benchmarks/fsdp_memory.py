@@ -25,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-MiB = 2**20
+from benchmarks.common import RESULTS, ROOT, MiB, cpu_allocation_peak
+
 MODES = ("ddp", "fsdp")
 LLAMA = dict(
     vocab_size=32000,
@@ -84,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
             self.loss = float(outputs["loss"])
             if trainer.global_step == args.steps:
                 self.profiler.__exit__(None, None, None)
-                self.step_peak = allocator_peak_above_start(self.profiler)
+                self.step_peak = cpu_allocation_peak(self.profiler)
 
     torch.manual_seed(0)
     world = int(os.environ["WORLD_SIZE"])
@@ -120,30 +119,6 @@ def worker(args: argparse.Namespace) -> None:
         parameters = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**LLAMA)).parameters())
         partial = {"mode": args.worker, "world": world, "parameters": parameters, "ranks": gathered}
         Path(f"{args.out}.{args.worker}").write_text(json.dumps(partial, indent=1))
-
-
-def allocator_peak_above_start(profiler: object) -> int:
-    """High-water mark of the CPU allocator's bytes allocated (and still held) during the profiled step.
-
-    Allocation events are matched with their frees by address; blocks from before the step are left out.
-    """
-    from torch._C._profiler import _EventType
-
-    events, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            events.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
-        stack.extend(event.children)
-    live: dict[int, int] = {}
-    held = peak = 0
-    for _, size, ptr in sorted(events):
-        held -= live.pop(ptr, 0)
-        if size > 0:
-            live[ptr] = size
-            held += size
-        peak = max(peak, held)
-    return peak
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:

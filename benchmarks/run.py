@@ -43,7 +43,6 @@ import argparse
 import gc
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -62,9 +61,9 @@ from benchmarks.common import (
     cuda_peak,
     disable_compile_caches,
     grad_rel_err,
+    launch_and_time,
     machine_info,
     profiled_step,
-    relaunch_under_torchrun,
     saved_for_backward,
     timed,
     worker_argv,
@@ -615,20 +614,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan(args), indent=1))
         return 0
     if "LOCAL_RANK" not in os.environ:
-        command = "python -m benchmarks.run" + (" " + shlex.join(argv) if argv else "")
-        start = time.perf_counter()
-        rc = relaunch_under_torchrun(
-            "benchmarks.run", argv, nproc=args.nproc, threads=args.threads, command=command
-        )
-        wall = time.perf_counter() - start
-        print(f"\n{command}: exit code {rc}, {wall:.0f} s wall time", flush=True)
-        if rc == 0 and args.out.exists():
-            from benchmarks.report import write_outputs
+        from benchmarks.report import write_outputs
 
-            report = json.loads(args.out.read_text())
-            report["wall_s_launcher"] = round(wall, 1)
-            write_outputs(report, args.out)
-        return rc
+        return launch_and_time(
+            "benchmarks.run",
+            argv,
+            nproc=args.nproc,
+            threads=args.threads,
+            out=args.out,
+            write_report=write_outputs,
+        )
     sys.path.insert(0, str(ROOT))
     worker_main(args)
     return 0

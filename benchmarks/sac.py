@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -70,12 +69,12 @@ from benchmarks.common import (
     current_grads,
     disable_compile_caches,
     grad_rel_err,
+    launch_and_time,
     machine_info,
     memtracker_check,
     op_of,
     partitioner_log,
     rel_err,
-    relaunch_under_torchrun,
     rss_peak,
     saved_for_backward,
     summarize_partition,
@@ -105,25 +104,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if "sp" not in args.methods:
         args.methods.insert(0, "sp")  # the reference of every ratio and parity figure
     return args
-
-
-# --------------------------------------------------------------------------------------------------
-# launcher
-
-
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    command = "python -m benchmarks.sac" + (" " + shlex.join(argv) if argv else "")
-    start = time.perf_counter()
-    rc = relaunch_under_torchrun(
-        "benchmarks.sac", argv, nproc=args.nproc, threads=args.threads, command=command
-    )
-    wall = time.perf_counter() - start
-    print(f"\n{command}: exit code {rc}, {wall:.0f} s wall time", flush=True)
-    if rc == 0 and args.out.exists():
-        report = json.loads(args.out.read_text())
-        report["wall_s_launcher"] = round(wall, 1)
-        write_report(report, args.out)
-    return rc
 
 
 # --------------------------------------------------------------------------------------------------
@@ -605,7 +585,14 @@ def main(argv: list[str] | None = None) -> int:
         print(args.out.with_suffix(".md").read_text())
         return 0
     if "LOCAL_RANK" not in os.environ:
-        return launch(args, argv)
+        return launch_and_time(
+            "benchmarks.sac",
+            argv,
+            nproc=args.nproc,
+            threads=args.threads,
+            out=args.out,
+            write_report=write_report,
+        )
     sys.path.insert(0, str(ROOT))
     worker(args)
     return 0
