@@ -20,7 +20,6 @@ import sys
 import traceback
 from pathlib import Path
 
-import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -28,9 +27,16 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import grad_rel_err  # noqa: E402
 from lightning_autosp import AutoSPStrategy  # noqa: E402
 from lightning_autosp.mesh import SP  # noqa: E402
-from tests.distributed.parity_worker import CASES, Capture, make_samples, single_device_reference  # noqa: E402
+from tests.distributed.parity_worker import (  # noqa: E402
+    CASES,
+    Capture,
+    make_samples,
+    one_step_trainer,
+    single_device_reference,
+)
 
 
 def run(name: str, num_nodes: int, devices: int) -> dict:
@@ -40,19 +46,7 @@ def run(name: str, num_nodes: int, devices: int) -> dict:
     module = case.module(**case.module_kwargs)
     strategy = AutoSPStrategy(sp_size=case.sp_size, **{"compiler": "aot_eager", **case.strategy_kwargs})
     capture = Capture()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        num_nodes=num_nodes,
-        devices=devices,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[capture],
-    )
+    trainer = one_step_trainer(case, strategy, capture, num_nodes=num_nodes, devices=devices)
     world, rank = trainer.world_size, trainer.global_rank
     dp = world // case.sp_size
     samples = make_samples(case, dp * case.batch_size)
@@ -73,10 +67,7 @@ def run(name: str, num_nodes: int, devices: int) -> dict:
         "sp_group": dist.get_process_group_ranks(strategy.device_mesh.get_group(SP)),
         "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
         "loss_rel_err": abs(capture.loss - reference_loss) / abs(reference_loss),
-        "grad_rel_err": max(
-            ((capture.grads[n] - grads[n]).abs().max() / grads[n].abs().max().clamp_min(1e-12)).item()
-            for n in grads
-        ),
+        "grad_rel_err": grad_rel_err(capture.grads, grads),
         "missing_grads": sorted(set(grads) - set(capture.grads)),
         "attention_found": sum(b.attention_count for b in strategy._backends.values()),
     }

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import grad_rel_err  # noqa: E402
 from lightning_autosp import AutoSPStrategy  # noqa: E402
 from lightning_autosp.compiler import backend as backend_module  # noqa: E402
 from lightning_autosp.compiler import chunked_loss, sp_pass  # noqa: E402
@@ -188,6 +189,23 @@ class Capture(L.Callback):
         }
 
 
+def one_step_trainer(case: Case, strategy: AutoSPStrategy, capture: Capture, **trainer_kwargs) -> L.Trainer:
+    """A Trainer for one CPU step of ``case``, nothing logged or saved; ``capture`` records loss and grads."""
+    return L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        precision=case.precision,
+        callbacks=[capture],
+        **trainer_kwargs,
+    )
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a sharded DTensor (data_parallel="fsdp"; a collective), else ``tensor``."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -230,19 +248,7 @@ def run_case(name: str, case: Case) -> dict:
     if not case.sp_pass:  # negative control: the passes report attention but rewrite nothing
         backend_module.sequence_parallel_pass = lambda gm, inputs, ctx: (gm, SPReport(attention=["skipped"]))
     capture = Capture()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        precision=case.precision,
-        callbacks=[capture],
-    )
+    trainer = one_step_trainer(case, strategy, capture, devices=world)
     all_chunks = chunked_loss.token_chunks
     with contextlib.ExitStack() as patches:
         if not case.ring_attention:
@@ -254,10 +260,6 @@ def run_case(name: str, case: Case) -> dict:
                 mock.patch.object(chunked_loss, "token_chunks", lambda *args: all_chunks(*args)[:-1])
             )
         trainer.fit(module, DataLoader(samples, batch_size=case.batch_size, shuffle=False))
-    grad_err = max(
-        ((capture.grads[n] - grads[n]).abs().max() / grads[n].abs().max().clamp_min(1e-12)).item()
-        for n in grads
-    )
     checkpoint = Path(os.environ["AUTOSP_PARITY_OUT"], f"{name}.ckpt")
     trainer.save_checkpoint(checkpoint)
     saved_keys = set(torch.load(checkpoint, weights_only=False)["state_dict"])
@@ -266,7 +268,7 @@ def run_case(name: str, case: Case) -> dict:
         "loss": capture.loss,
         "reference_loss": reference_loss,
         "loss_rel_err": abs(capture.loss - reference_loss) / abs(reference_loss),
-        "grad_rel_err": grad_err,
+        "grad_rel_err": grad_rel_err(capture.grads, grads),
         "missing_grads": sorted(set(grads) - set(capture.grads)),
         "all_to_alls": sum(r.all_to_alls for b in backends for r in b.reports),
         "ring_attentions": sum(len(r.ring_attention) for b in backends for r in b.reports),
