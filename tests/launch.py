@@ -20,6 +20,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def kill_tree(process: subprocess.Popen) -> None:
+    """Kill ``process`` and all its descendants by pid: torchrun starts each worker in a session of its
+    own, and a worker blocked in a collective ignores SIGTERM."""
+    for child in [*psutil.Process(process.pid).children(recursive=True), process]:
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            child.kill()
+
+
 def torchrun(ranks: int, script: Path, *args: str, timeout: float) -> tuple[int, str, float]:
     """(return code, stderr, seconds). Past ``timeout`` every process of the job is killed: no orphans."""
     command = [
@@ -37,11 +45,7 @@ def torchrun(ranks: int, script: Path, *args: str, timeout: float) -> tuple[int,
     try:
         _, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own, and a worker blocked in a collective
-        # ignores SIGTERM: kill every process of the job by pid.
-        for child in [*psutil.Process(process.pid).children(recursive=True), process]:
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                child.kill()
+        kill_tree(process)
         _, stderr = process.communicate()
         pytest.fail(f"the job hung: still running after {timeout:.0f} s\n{stderr[-6000:]}")
     return process.returncode, stderr, time.monotonic() - start
@@ -56,9 +60,7 @@ def _wait_all(processes: list[subprocess.Popen], timeout: float, start: float) -
             stderr.append(err)
     except subprocess.TimeoutExpired:
         for process in processes:
-            for child in [*psutil.Process(process.pid).children(recursive=True), process]:
-                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                    child.kill()
+            kill_tree(process)
         pytest.fail(f"the job hung: still running after {timeout:.0f} s")
     return [process.returncode for process in processes], "\n".join(stderr)
 

@@ -8,17 +8,16 @@ not run here are recorded with their error instead of stopping the run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from benchmarks import report as report_module
 from benchmarks.run import next_candidate
+from tests.launch import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["sac", "sp", "deepspeed", "ulysses", "ddp", "ring"]
@@ -34,9 +33,7 @@ def run_module(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for child in [*psutil.Process(process.pid).children(recursive=True), process]:
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                child.kill()
+        kill_tree(process)
         output, _ = process.communicate()
         pytest.fail(f"still running after {timeout:.0f} s\n{output[-6000:]}")
     return subprocess.CompletedProcess(args, process.returncode, output, None)
