@@ -116,8 +116,8 @@ def check_user_sharding(module: nn.Module, world_size: int) -> None:
         rank_zero_warn(
             f"FSDP units {in_containers[:3]} sit in a module container; FSDP2's hooks are graph breaks, and "
             "one inside a loop over layers makes torch.compile skip that frame, which AutoSP reports as an "
-            "error. "
-            "Shard the model's top-level submodule instead (the default with data_parallel='fsdp')."
+            "error. Shard a submodule the model calls outside its loops, or leave the sharding to the "
+            "strategy (data_parallel='fsdp' shards the LightningModule as one unit)."
         )
 
 
