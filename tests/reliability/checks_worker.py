@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import grad_rel_err as max_grad_rel_err  # noqa: E402
 from lightning_autosp import AutoSPStrategy  # noqa: E402
 from lightning_autosp.fsdp import local_state_bytes  # noqa: E402
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule  # noqa: E402
@@ -119,9 +120,8 @@ def rel_err(a: float, b: float) -> float:
 
 
 def grad_rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    if set(got) != set(want):
-        return float("inf")
-    return max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)).item() for n in want)
+    """``benchmarks.common.grad_rel_err``; infinite when the two hold gradients of different parameters."""
+    return max_grad_rel_err(got, want) if set(got) == set(want) else float("inf")
 
 
 # --------------------------------------------------------------------------------------------------
