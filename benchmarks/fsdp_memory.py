@@ -9,9 +9,11 @@ state (``lightning_autosp.fsdp.local_state_bytes``: the local shards under fsdp)
 (coarse: it includes the Python and torch baseline and the activations). Writes
 ``benchmarks/results/fsdp_memory.json`` and ``.md``.
 
-The state figures are what persists between steps. Within a step, FSDP2 all-gathers the unit (the
-LightningModule; Note [FSDP units under a compiled step] in ``lightning_autosp/fsdp.py``), so the in-step
-peak also holds the whole parameters and gradients for a while.
+The state figures are what persists between steps; the in-step allocator peak is the high-water mark of
+what the last step allocates (activations, gathered parameters, unsharded gradients, DDP's buckets). With
+``fsdp_gather="per_use"`` (the default) each parameter is all-gathered where the step uses it and again in
+backward; with ``"per_step"`` FSDP2 gathers the whole module around the step (Note [FSDP units under a
+compiled step] in ``lightning_autosp/fsdp.py``), so that peak holds the whole parameters and gradients.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, MiB, cpu_allocation_peak
 
-MODES = ("ddp", "fsdp")
+# data_parallel="fsdp" gathers each parameter where the step uses it ("per_use", the default) or the whole
+# module around the step as one FSDP2 unit ("per_step").
+MODES = {
+    "ddp": {"data_parallel": "ddp"},
+    "fsdp": {"data_parallel": "fsdp"},
+    "fsdp_per_step": {"data_parallel": "fsdp", "fsdp_gather": "per_step"},
+}
 LLAMA = dict(
     vocab_size=32000,
     hidden_size=512,
@@ -96,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=AutoSPStrategy(sp_size=2, data_parallel=args.worker, compiler="aot_eager"),
+        strategy=AutoSPStrategy(sp_size=2, compiler="aot_eager", **MODES[args.worker]),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,

@@ -1,9 +1,16 @@
-"""Fully sharded data parallel (PyTorch FSDP2, ``fully_shard``) under AutoSP: ``data_parallel="fsdp"``.
+"""Fully sharded data parallel under AutoSP: ``data_parallel="fsdp"`` (ZeRO-3).
 
 Parameters, gradients and optimizer state are sharded over all dp x sp ranks (a 1-D mesh over the
-world), ZeRO-3 style between steps; the SP and SAC passes are untouched because FSDP2's hooks run
-outside the compiled graphs. Gradients come out exactly as with ``data_parallel="ddp"``: FSDP2's
-reduce-scatter averages over the world, as DDP's all-reduce does, and the loss all-reduce's backward
+world) as ``DTensor``s on dim 0, FSDP2's layout. Two ways to gather them for the step:
+
+- ``fsdp_gather="per_use"`` (default, :func:`shard_parameters`): each parameter is all-gathered inside
+  the compiled step, right before its use, and again in backward; its gradient is reduce-scattered
+  back to the shard. Only a few parameters are whole at any time, so the step's peak is ZeRO-3's.
+- ``fsdp_gather="per_step"``: the LightningModule is one FSDP2 ``fully_shard`` unit, whole for the
+  step (Note [FSDP units under a compiled step]).
+
+The SP and SAC passes are the same in both. Gradients come out exactly as with ``data_parallel="ddp"``:
+the reduce-scatter averages over the world, as DDP's all-reduce does, and the loss all-reduce's backward
 supplies the sp factor (Note [Loss over sequence shards] in ``compiler/sp_pass.py``).
 
 Note [FSDP units under a compiled step]
@@ -12,14 +19,15 @@ Note [FSDP units under a compiled step]
     graph break inside a ``for`` loop makes Dynamo skip the whole frame (``graph break in loop``).
     Every transformer runs its blocks in such a loop, so sharding the blocks as units would run the
     model's outer frame (positions, masks, the residual stream) eagerly, without sequence parallelism;
-    the strategy then raises. The unit is therefore the LightningModule itself, and the strategy calls
-    each step through the module's ``__call__`` (Lightning's forward redirection): FSDP2 all-gathers
-    before the compiled step and registers its backward hooks on the step's outputs, and the step
-    compiles as one graph, loss included (the chunked LM head and loss need the head and the loss in
-    one graph). The price: the parameters are all-gathered whole for the step, so the in-step peak
-    holds the full parameters and gradients; between steps, and for the optimizer state always, each
-    rank holds 1/world. Units the user shards in ``configure_model`` are kept, and work when the model
-    calls them outside loops (e.g. the LM head; tested).
+    the strategy then raises. With ``fsdp_gather="per_step"`` the unit is therefore the LightningModule
+    itself, and the strategy calls each step through the module's ``__call__`` (Lightning's forward
+    redirection): FSDP2 all-gathers before the compiled step and registers its backward hooks on the
+    step's outputs, and the step compiles as one graph, loss included (the chunked LM head and loss need
+    the head and the loss in one graph). The price: the parameters are all-gathered whole for the step,
+    so the in-step peak holds the full parameters and gradients; between steps, and for the optimizer
+    state always, each rank holds 1/world. ``fsdp_gather="per_use"`` has no hooks: the gathers are ops
+    of the graph (:func:`shard_parameters`). Units the user shards in ``configure_model`` are kept
+    (either option), and work when the model calls them outside loops (e.g. the LM head; tested).
 
 Checkpoints follow Lightning's ``ModelParallelStrategy``: a full state dict assembled on rank 0 (a
 plain Lightning checkpoint, interchangeable with ``data_parallel="ddp"`` and loadable on one device),
@@ -47,19 +55,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.optim import Optimizer
 
 DataParallel = Literal["ddp", "fsdp"]
+FSDPGather = Literal["per_use", "per_step"]
 WORLD = "dp_sp"
 
 
 def check_data_parallel(
-    data_parallel: object, save_distributed_checkpoint: object, ddp_kwargs: Mapping[str, Any]
+    data_parallel: object,
+    save_distributed_checkpoint: object,
+    ddp_kwargs: Mapping[str, Any],
+    fsdp_gather: object = "per_use",
 ) -> None:
     """Raise on bad ``data_parallel`` options, before any process starts."""
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f"data_parallel={data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
+    if fsdp_gather not in ("per_use", "per_step"):
+        raise ValueError(f"fsdp_gather={fsdp_gather!r} is not supported; use 'per_use' or 'per_step'.")
     if data_parallel == "fsdp" and ddp_kwargs:
         raise ValueError(
             f"{sorted(ddp_kwargs)} are DistributedDataParallel options, which do nothing with "
@@ -77,17 +91,85 @@ def build_world_mesh(device_type: str, world_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=(WORLD,))
 
 
-def shard_module(module: nn.Module, mesh: DeviceMesh) -> None:
-    """``fully_shard`` ``module`` over ``mesh`` as one unit, unless the user sharded it in configure_model.
+def shard_module(module: nn.Module, mesh: DeviceMesh, gather: FSDPGather = "per_use") -> None:
+    """Shard ``module`` over ``mesh``, unless the user sharded it in configure_model.
 
-    See Note [FSDP units under a compiled step]. A user's own sharding is kept as it is, once checked:
-    every parameter must be a DTensor spread over all ranks (``fully_shard``'s default mesh, or a 2-D
-    one for HSDP), or gradients would not be summed over the sp ranks that each hold part of them.
+    ``gather="per_use"`` shards each parameter and gathers it where the compiled step uses it
+    (:func:`shard_parameters`); ``"per_step"`` makes the whole module one FSDP2 unit, gathered around
+    each step (Note [FSDP units under a compiled step]). A user's own sharding is kept as it is, once
+    checked: every parameter must be a DTensor spread over all ranks (``fully_shard``'s default mesh,
+    or a 2-D one for HSDP), or gradients would not be summed over the sp ranks that each hold part of them.
     """
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
-        check_user_sharding(module, mesh.size())
-        return
-    fully_shard(module, mesh=mesh)
+    if any(isinstance(m, FSDPModule | _GatheringModule) for m in module.modules()):
+        check_user_sharding(module, mesh.size())  # the user's, or ours from an earlier Trainer run
+    elif gather == "per_use":
+        shard_parameters(module, mesh)
+    else:
+        fully_shard(module, mesh=mesh)
+
+
+def shard_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep 1/world of every parameter on each rank; gather it, inside the compiled step, where it is used.
+
+    Each parameter becomes a ``DTensor`` sharded on dim 0 over ``mesh`` (FSDP2's layout, so optimizers,
+    gradient clipping and checkpoints see what they see under ``fully_shard``), and reading it as a
+    module attribute returns the gathered tensor::
+
+        module._parameters["weight"]: DTensor [out/W, in] (Shard(0))   # what the optimizer updates
+        module.weight:                Tensor  [out, in]                 # all-gather, traced into the graph
+        backward:                     reduce-scatter (average over the world) -> weight.grad [out/W, in]
+
+    The all-gather is then an op of the step's graph, right before the parameter's use, and the SAC
+    partitioner re-runs it in backward instead of saving the gathered copy (Note [Gathered parameters
+    in backward] in ``compiler/sac.py``): at most a few layers' parameters are whole at any time. This
+    is ZeRO-3 inside a whole-step graph, which FSDP2's hooks cannot give (Note [FSDP units under a
+    compiled step]). Parameters shared between modules (tied embeddings) stay shared.
+    """
+    sharded: dict[int, nn.Parameter] = {}
+    gathered_classes: dict[tuple[type, tuple[str, ...]], type] = {}
+    for submodule in module.modules():
+        names = [name for name, param in submodule._parameters.items() if param is not None]
+        if not names:
+            continue
+        for name in names:
+            param = submodule._parameters[name]
+            if id(param) not in sharded:
+                placement = Shard(0) if param.dim() > 0 else Replicate()
+                local = distribute_tensor(param.detach(), mesh, [placement])
+                sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+            submodule._parameters[name] = sharded[id(param)]
+        submodule.__class__ = _class_gathering(type(submodule), names, gathered_classes)
+
+
+def gather_parameter(param: DTensor) -> Tensor:
+    """The whole parameter; its gradient is reduce-scattered back to the shard, averaged over ranks."""
+    return param.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial("avg")])
+
+
+def _class_gathering(cls: type, names: list[str], cache: dict[tuple[type, tuple[str, ...]], type]) -> type:
+    """A subclass of ``cls`` whose parameter attributes read as gathered tensors.
+
+    A class attribute (a property) is found before ``nn.Module.__getattr__`` looks in
+    ``_parameters``, so ``module.weight`` gathers while ``state_dict``, ``named_parameters`` and
+    optimizers keep the sharded ``nn.Parameter`` under its own name (``torch.nn.utils.parametrize``
+    would rename it ``parametrizations.weight.original`` and break checkpoint compatibility).
+    """
+    key = (cls, tuple(sorted(names)))
+    if key not in cache:
+        attributes = {name: _gathering_property(name) for name in names}
+        cache[key] = type(cls.__name__, (_GatheringModule, cls), attributes)
+    return cache[key]
+
+
+def _gathering_property(name: str) -> property:
+    def gathered(module: nn.Module) -> Tensor:
+        return gather_parameter(module._parameters[name])
+
+    return property(gathered, doc=f"``{name}`` all-gathered from this rank's shard (data_parallel='fsdp').")
+
+
+class _GatheringModule:
+    """Marks a module class made by :func:`shard_parameters`."""
 
 
 def check_user_sharding(module: nn.Module, world_size: int) -> None:
@@ -121,12 +203,14 @@ def check_user_sharding(module: nn.Module, world_size: int) -> None:
         )
 
 
-def setup_fully_sharded(strategy: DDPStrategy, trainer: pl.Trainer, mesh: DeviceMesh) -> None:
+def setup_fully_sharded(
+    strategy: DDPStrategy, trainer: pl.Trainer, mesh: DeviceMesh, gather: FSDPGather = "per_use"
+) -> None:
     """``DDPStrategy.setup`` with FSDP2 in place of DDP (for evaluation too: the weights stay sharded)."""
     strategy.accelerator.setup(trainer)
     strategy.model = strategy.precision_plugin.convert_module(strategy.model)
     strategy.model_to_device()
-    shard_module(strategy.model, mesh)
+    shard_module(strategy.model, mesh, gather)
     fitting = trainer.state.fn == TrainerFn.FITTING
     if fitting:
         strategy.setup_optimizers(trainer)

@@ -95,7 +95,10 @@ class AutoSPStrategy(DDPStrategy):
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of ``loss_chunk_tokens``
             tokens (None: chunks of at most 2**26 logits), never holding the whole logits.
         data_parallel: "ddp" (replicas, gradients all-reduced) or "fsdp" (parameters, gradients and
-            optimizer state sharded over all dp x sp ranks with FSDP2; ``lightning_autosp/fsdp.py``).
+            optimizer state sharded over all dp x sp ranks, ZeRO-3; ``lightning_autosp/fsdp.py``).
+        fsdp_gather: with "fsdp", "per_use" (default) all-gathers each parameter inside the compiled
+            step where it is used and again in backward, so only a few layers are whole at a time;
+            "per_step" makes the LightningModule one FSDP2 ``fully_shard`` unit, whole for each step.
         save_distributed_checkpoint: with "fsdp", save one shard per rank to a directory instead of
             a full checkpoint file assembled on rank 0.
         timeout: process-group timeout; a rank that fails leaves the others waiting at most this long.
@@ -117,6 +120,7 @@ class AutoSPStrategy(DDPStrategy):
         chunked_loss: bool = True,
         loss_chunk_tokens: int | None = None,
         data_parallel: fsdp.DataParallel = "ddp",
+        fsdp_gather: fsdp.FSDPGather = "per_use",
         save_distributed_checkpoint: bool = False,
         max_seq_len: int | None = None,
         memory_per_device: int | None = None,
@@ -165,8 +169,9 @@ class AutoSPStrategy(DDPStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._backends: dict[SequenceShard | None, AutoSPBackend] = {}
         self._original_steps: dict[str, Callable] = {}
-        fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs)
+        fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs, fsdp_gather)
         self.data_parallel: fsdp.DataParallel = data_parallel
+        self.fsdp_gather: fsdp.FSDPGather = fsdp_gather
         self._save_distributed_checkpoint = save_distributed_checkpoint
 
     @property
@@ -263,7 +268,7 @@ class AutoSPStrategy(DDPStrategy):
         self._compile_steps(self.lightning_module)
         if self.data_parallel == "fsdp":
             mesh = fsdp.build_world_mesh(self.root_device.type, self.world_size)
-            fsdp.setup_fully_sharded(self, trainer, mesh)
+            fsdp.setup_fully_sharded(self, trainer, mesh, self.fsdp_gather)
             return
         super().setup(trainer)
 
@@ -290,9 +295,18 @@ class AutoSPStrategy(DDPStrategy):
             for name in self._original_steps:
                 module.__dict__.pop(name, None)
         self._original_steps.clear()
+        if self.data_parallel == "fsdp":
+            # As Lightning's ModelParallelStrategy: sharded parameters stay on their device (moving
+            # them to the CPU would swap every DTensor parameter the optimizer still refers to).
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
-    # Under data_parallel="fsdp" the LightningModule is the FSDP unit, so every step is called through
+    # When the LightningModule is an FSDP2 unit (fsdp_gather="per_step"), every step is called through
     # its ``__call__`` (Lightning's forward redirection): FSDP2's hooks, which are graph breaks, then
     # run around the compiled step instead of inside it (Note [FSDP units under a compiled step]).
 

@@ -7,6 +7,9 @@ its own; tagging them ``PREFER_RECOMPUTE`` lifts that ban for this graph only. A
 and collectives are tagged ``MUST_SAVE``: attention is the expensive op, and a recomputed
 collective would talk to other ranks again in backward.
 
+Parameters sharded by ``data_parallel="fsdp"`` are all-gathered in the graph; those gathers are the one
+collective backward re-runs (Note [Gathered parameters in backward]).
+
 Used through ``torch._inductor.config.custom_partitioner_fn`` (patched for one compile via
 ``compile_fx(config_patches=...)``) or as AOTAutograd's ``partition_fn``: no process-wide state.
 """
@@ -53,6 +56,10 @@ def _op_name(node: fx.Node) -> str:
 def _is_collective(node: fx.Node) -> bool:
     namespace = getattr(getattr(node.target, "_overloadpacket", None), "_qualified_op_name", "")
     return namespace.startswith(("autosp::", "_c10d_functional::", "c10d_functional::"))
+
+
+def _is_parameter_all_gather(node: fx.Node) -> bool:
+    return _op_name(node) == "all_gather_into_tensor" and _is_collective(node)
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -193,6 +200,47 @@ def tag_recompute_policy(joint: fx.GraphModule, recomputable: set[fx.Node] | Non
     return counts
 
 
+_NO_INPUT = object()
+
+
+def tag_parameter_gathers(joint: fx.GraphModule) -> int:
+    """Tag ``MUST_RECOMPUTE`` on the forward ops that rebuild a whole parameter from its shard.
+
+    Note [Gathered parameters in backward]
+        Under ``data_parallel="fsdp"`` a parameter is its rank's shard, a graph input, all-gathered
+        where it is used (``lightning_autosp/fsdp.py``)::
+
+            weight_shard [out/W, in] -> all_gather -> wait -> (narrow off padding, cast) -> weight [out, in]
+
+        Saving ``weight`` for backward would keep every parameter whole from its use in forward to
+        backward: the whole model at the step's peak, which is what sharding is for. Recomputing the
+        chain re-gathers each parameter in backward right before its gradient needs it, as FSDP's
+        reshard-after-forward does. This is the one collective re-run in backward; SP's all-to-alls
+        move activations, which would cost a second round of traffic of the sequence's size.
+
+    A node is in such a chain when an all-gather is among its ancestors (or is itself one) and its only
+    graph input is one primal. Returns the number of nodes tagged; SAC's mode does not matter.
+    """
+    # The one primal each node is computed from; None when several (or a tangent), _NO_INPUT for
+    # nodes computed from no input (constants, the padding of an uneven shard).
+    source: dict[fx.Node, object] = {
+        n: n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in n.name
+    }
+    gathered: set[fx.Node] = set()
+    tagged = 0
+    for node in forward_nodes(joint):
+        sources = {source.get(n) for n in node.all_input_nodes} - {_NO_INPUT}
+        source[node] = sources.pop() if len(sources) == 1 else (_NO_INPUT if not sources else None)
+        if not isinstance(source[node], fx.Node) or node.op != "call_function":
+            continue
+        if _is_parameter_all_gather(node) or any(n in gathered for n in node.all_input_nodes):
+            gathered.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta.setdefault("ac_graph_id", 0)
+            tagged += 1
+    return tagged
+
+
 def _value(node: object) -> object:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
@@ -263,6 +311,7 @@ class SACReport:
     step_flops: int
     backward_collectives: int
     reason: str = ""
+    parameter_gathers: int = 0  # all-gathers of sharded parameters backward runs again (data_parallel="fsdp")
 
     def line(self) -> str:
         share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
@@ -270,6 +319,8 @@ class SACReport:
             f"SAC ({self.mode}): {self.saved_bytes / 2**20:.2f} MiB of activations saved for backward, "
             f"{self.recomputed_ops} ops recomputed ({share:.1%} of step FLOPs)"
         )
+        if self.parameter_gathers:
+            text += f", {self.parameter_gathers} sharded parameters gathered again in backward"
         return f"{text}; {self.reason}" if self.reason else text
 
 
@@ -288,8 +339,9 @@ def summarize_partition(
     forward_flops = sum(node_flops(n) for n in forward.graph.nodes if n.op == "call_function")
     recomputed_flops = sum(node_flops(n) for n in recomputed)
     collectives = sum(1 for n in backward.graph.nodes if n.op == "call_function" and _is_collective(n))
+    gathers = sum(1 for n in backward.graph.nodes if n.op == "call_function" and _is_parameter_all_gather(n))
     return SACReport(
-        mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, collectives, reason
+        mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, collectives, reason, gathers
     )
 
 
@@ -317,6 +369,7 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
                 (None, "") if self.mode == "all" else choose_recomputable(gm, self.overhead)
             )
             self.last_counts = tag_recompute_policy(gm, recomputable)
+        self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
         self.reports.append(report)

@@ -93,15 +93,24 @@ CASES = {
     ),
     "dp2_sp2": Case(GPTModule, seq_len=30, batch_size=2, ignored_tail=(0, 7, 13, 29)),
     "dp2_sp2_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, seq_len=30, ignored_tail=(3, 0, 29, 11)),
-    # data_parallel="fsdp": FSDP2 shards over all dp x sp ranks; gradients are gathered from the shards.
-    # (the step compiles as one graph around FSDP2's hooks, so the loss is chunked, 5 tokens a chunk)
+    # data_parallel="fsdp": parameters sharded over all dp x sp ranks, gathered where the step uses them
+    # (per_step: FSDP2 gathers the module around the step); the loss is chunked, 5 tokens a chunk.
     "fsdp_gpt": Case(
         GPTModule,
         seq_len=25,
         ignored_tail=(0, 7),
         strategy_kwargs={"data_parallel": "fsdp", "loss_chunk_tokens": 5},
     ),
+    "fsdp_gpt_per_step": Case(
+        GPTModule,
+        seq_len=25,
+        ignored_tail=(0, 7),
+        strategy_kwargs={"data_parallel": "fsdp", "fsdp_gather": "per_step", "loss_chunk_tokens": 5},
+    ),
     "fsdp_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, strategy_kwargs={"data_parallel": "fsdp"}),
+    "fsdp_gpt_inductor": Case(
+        GPTModule, seq_len=25, strategy_kwargs={"data_parallel": "fsdp", "compiler": "inductor"}
+    ),
     "fsdp_dp2_sp2": Case(
         GPTModule, seq_len=30, ignored_tail=(0, 7, 13, 29), strategy_kwargs={"data_parallel": "fsdp"}
     ),
@@ -273,6 +282,8 @@ def run_case(name: str, case: Case) -> dict:
         "all_to_alls": sum(r.all_to_alls for b in backends for r in b.reports),
         "ring_attentions": sum(len(r.ring_attention) for b in backends for r in b.reports),
         "graphs": sum(len(b.reports) for b in backends),
+        "saved_bytes": sum(r.saved_bytes for b in backends for r in b.sac_reports),
+        "backward_parameter_gathers": sum(r.parameter_gathers for b in backends for r in b.sac_reports),
         "checkpoint_keys_match": saved_keys == set(module.state_dict()),
         "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
         "explain": strategy.explain(),

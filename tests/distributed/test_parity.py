@@ -43,7 +43,7 @@ RING_CASES = [
     "ring_llama_contiguous_all_ring",
 ]
 # data_parallel="fsdp" (2 ranks; dp=2 x sp=2 runs in tests/distributed/test_multinode.py)
-FSDP_CASES = ["fsdp_gpt", "fsdp_llama", "fsdp_user_units"]
+FSDP_CASES = ["fsdp_gpt", "fsdp_gpt_per_step", "fsdp_llama", "fsdp_gpt_inductor", "fsdp_user_units"]
 # Chunked LM head + cross-entropy, 5 tokens a chunk (every other case chunks too, in one chunk)
 CHUNKED_LOSS_CASES = ["gpt_chunked_loss", "llama_chunked_loss"]
 # Packed rows of 3 documents (position_ids restart); flash-attn (its ops on CPU: tests/flash_stand_in.py)
@@ -118,11 +118,26 @@ def test_parity_fsdp(two_rank_results, case):
 
 
 @pytest.mark.timeout(700)
-def test_fsdp_hooks_stay_outside_the_compiled_step_so_the_loss_is_chunked(two_rank_results):
-    # The LM head (in the model) and the loss (in training_step) meet in one graph only when FSDP2's
-    # hooks, which are graph breaks, run around the step rather than at the model's call inside it.
+@pytest.mark.parametrize("case", ["fsdp_gpt", "fsdp_gpt_per_step"])
+def test_fsdp_steps_compile_as_one_graph_so_the_loss_is_chunked(two_rank_results, case):
+    # The LM head (in the model) and the loss (in training_step) meet in one graph: per_use gathers are
+    # traced ops; per_step runs FSDP2's hooks (graph breaks) around the step, not at the model's call.
     for per_case in two_rank_results.values():
-        assert "chunk(s) of 5" in per_case["fsdp_gpt"]["explain"], per_case["fsdp_gpt"]["explain"]
+        assert per_case[case]["graphs"] == 1
+        assert "chunk(s) of 5" in per_case[case]["explain"], per_case[case]["explain"]
+
+
+@pytest.mark.timeout(700)
+def test_fsdp_per_use_gathers_parameters_again_in_backward_instead_of_saving_them(two_rank_results):
+    # Note [Gathered parameters in backward]: backward re-gathers every gathered weight it needs (all but
+    # the embedding, whose gradient needs only the token ids), so activations saved for backward are
+    # what they are when FSDP2 gathers the module around the step; saving the gathered weights would
+    # keep the whole model alive from forward to backward.
+    for per_case in two_rank_results.values():
+        per_use, per_step = per_case["fsdp_gpt"], per_case["fsdp_gpt_per_step"]
+        assert per_use["backward_parameter_gathers"] >= 10, per_use["explain"]
+        assert per_step["backward_parameter_gathers"] == 0
+        assert per_use["saved_bytes"] <= per_step["saved_bytes"] * 1.05, (per_use, per_step)
 
 
 @pytest.mark.timeout(700)

@@ -1,13 +1,15 @@
-"""data_parallel="fsdp": option checks and unit selection, without processes."""
+"""data_parallel="fsdp": option checks, unit selection and parameter sharding, in one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.fsdp import check_user_sharding, local_state_bytes
+from lightning_autosp.fsdp import check_user_sharding, local_state_bytes, shard_parameters
 from tests.distributed.modules import GPTModule
 
 
@@ -46,3 +48,35 @@ def test_local_state_bytes_counts_params_grads_and_optimizer_state():
     optimizer.step()
     # Adam: exp_avg and exp_avg_sq per parameter (fp32), plus a scalar step per tensor.
     assert local_state_bytes(layer, [optimizer]) == {"params": 40, "grads": 40, "optimizer": 2 * 40 + 2 * 4}
+
+
+def test_unknown_fsdp_gather_is_refused():
+    with pytest.raises(ValueError, match="fsdp_gather='per_layer' is not supported; use 'per_use' or"):
+        AutoSPStrategy(sp_size=2, data_parallel="fsdp", fsdp_gather="per_layer")
+
+
+def test_sharded_parameters_keep_their_names_and_ties_and_read_whole(gloo_group: str) -> None:
+    """shard_parameters on a one-rank mesh: what the optimizer, checkpoints and the model each see."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    model[1].weight = model[0].weight  # tied LM head
+    ids = torch.tensor([[1, 2, 3]])
+    expected_keys = list(model.state_dict())
+    expected = model(ids)
+    expected.sum().backward()
+    expected_grad = model[0].weight.grad.clone()
+
+    shard_parameters(model, init_device_mesh("cpu", (1,)))
+    assert list(model.state_dict()) == expected_keys
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert model[1]._parameters["weight"] is model[0]._parameters["weight"]
+    assert len(list(model.parameters())) == 2  # the tied weight once, and the head's bias
+    assert type(model[1].weight) is torch.Tensor and model[1].weight.shape == (10, 4)
+    assert isinstance(model[1], nn.Linear) and type(model[1]).__name__ == "Linear"
+
+    output = model(ids)
+    output.sum().backward()
+    torch.testing.assert_close(output, expected)
+    grad = model[0]._parameters["weight"].grad
+    assert isinstance(grad, DTensor)
+    torch.testing.assert_close(grad.full_tensor(), expected_grad)
