@@ -75,7 +75,7 @@ __all__ = [
 
 GiB = 2**30
 DataParallel = Literal["ddp", "fsdp"]
-FSDPUnits = Literal["model", "block"]
+FSDPGather = Literal["per_use", "per_step"]
 _PRECISIONS = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 # A chunk of the chunked loss holds at most this many logits (compiler/chunked_loss.py).
 _LOGITS_CHUNK_ELEMENTS = 2**26
@@ -335,7 +335,7 @@ class Setup:
     chunked_loss: bool = True
     loss_chunk_tokens: int | None = None
     optimizer_states: int = 2
-    fsdp_units: FSDPUnits = "model"
+    fsdp_gather: FSDPGather = "per_use"
 
     def __post_init__(self) -> None:
         precision = _PRECISIONS.get(self.precision, self.precision)
@@ -480,10 +480,10 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
         dp_buffers = N * pb  # DDP's gradient buckets (gradient_as_bucket_view=False)
     else:
         W = setup.devices
-        # The all-gathered parameters of the units alive at once, and their unsharded gradients
-        # before the reduce-scatter: the whole model when the LightningModule is the unit
-        # (lightning_autosp/fsdp.py), two blocks (one prefetched) or the embeddings when each block is.
-        unit = N if setup.fsdp_units == "model" else max(2 * shape.layer_params, shape.embedding_params)
+        # The all-gathered parameters alive at once, and their unsharded gradients before the
+        # reduce-scatter (lightning_autosp/fsdp.py): per use, a layer's (if the compiler groups its
+        # gathers) or the embedding / LM head, the largest single matrix; per step, the whole model.
+        unit = N if setup.fsdp_gather == "per_step" else max(shape.layer_params, shape.embedding_params)
         params, grads, optimizer = N * pb // W, N * pb // W + unit * pb, state // W
         dp_buffers = unit * pb
     saved = saved_activations(shape, setup, seq_len)
@@ -697,7 +697,7 @@ def plan(
     chunked_loss: bool = True,
     loss_chunk_tokens: int | None = None,
     optimizer_states: int = 2,
-    fsdp_units: FSDPUnits = "model",
+    fsdp_gather: FSDPGather = "per_use",
     reserve: float = 0.1,
 ) -> Plan:
     """Predict per-rank memory for every (sp_size, sac, data_parallel) and the longest trainable sequence.
@@ -715,8 +715,8 @@ def plan(
         chunked_loss / loss_chunk_tokens: as ``AutoSPStrategy``'s options of the same names.
         optimizer_states: tensors per parameter the optimizer keeps (2 for Adam/AdamW, 1 for SGD with
             momentum).
-        fsdp_units: "model": the LightningModule is the FSDP unit, as the strategy shards
-            today (a unit is gathered whole for the step); "block": one unit per transformer block.
+        fsdp_gather: as ``AutoSPStrategy``'s option: "per_use" gathers each parameter where the step
+            uses it; "per_step" gathers the whole model for the step.
         reserve: share of ``memory_per_device`` left for the CUDA context, NCCL and fragmentation.
     """
     shape = model_shape(model_or_config)
@@ -744,7 +744,7 @@ def plan(
                     chunked_loss=chunked_loss,
                     loss_chunk_tokens=loss_chunk_tokens,
                     optimizer_states=optimizer_states,
-                    fsdp_units=fsdp_units,
+                    fsdp_gather=fsdp_gather,
                 )
                 options.append(
                     PlanOption(
@@ -772,6 +772,7 @@ def choose_sp_size(
     batch_size: int = 1,
     chunked_loss: bool = True,
     loss_chunk_tokens: int | None = None,
+    fsdp_gather: FSDPGather = "per_use",
 ) -> PlanOption:
     """The plan of the smallest sp_size whose step fits in ``memory_per_device``.
 
@@ -790,6 +791,7 @@ def choose_sp_size(
         gpus_per_node=gpus_per_node,
         chunked_loss=chunked_loss,
         loss_chunk_tokens=loss_chunk_tokens,
+        fsdp_gather=fsdp_gather,
     )
     best = result.best()
     if best is not None:
@@ -843,6 +845,7 @@ def auto_sp_size(
     precision: str,
     chunked_loss: bool,
     loss_chunk_tokens: int | None,
+    fsdp_gather: FSDPGather = "per_use",
 ) -> PlanOption:
     """``AutoSPStrategy(sp_size="auto")``: the smallest sp_size that fits ``max_seq_len`` tokens.
 
@@ -870,6 +873,7 @@ def auto_sp_size(
         precision=precision,
         chunked_loss=chunked_loss,
         loss_chunk_tokens=loss_chunk_tokens,
+        fsdp_gather=fsdp_gather,
     )
     rank_zero_info(f"sp_size='auto' for {max_seq_len} tokens: {chosen.describe()}")
     return chosen
@@ -922,7 +926,7 @@ def readme_table(
     device_counts: Sequence[int] = (8, 64, 1024),
     gpus: Mapping[str, int] = GPUS,
     gpus_per_node: int = 8,
-    fsdp_units: FSDPUnits = "model",
+    fsdp_gather: FSDPGather = "per_use",
 ) -> str:
     """Per (model, tokens, GPUs) and GPU memory: the smallest sp that fits (SAC, chunked loss,
     bf16-mixed, FSDP), its peak, all-to-all bytes and their time against compute."""
@@ -943,7 +947,7 @@ def readme_table(
                         sac=True,
                         data_parallel="fsdp",
                         gpus_per_node=gpus_per_node,
-                        fsdp_units=fsdp_units,
+                        fsdp_gather=fsdp_gather,
                     )
                     best = result.best()
                     if best is None:
@@ -961,7 +965,7 @@ def readme_table(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Per-rank memory plan for AutoSPStrategy.")
     parser.add_argument("--table", action="store_true", help="print the README table (Llama 3.1 8B/70B)")
-    parser.add_argument("--fsdp-units", choices=("model", "block"), default="model")
+    parser.add_argument("--fsdp-gather", choices=("per_use", "per_step"), default="per_use")
     parser.add_argument("--model", choices=("8b", "70b"), default="8b")
     parser.add_argument("--seq-len", type=int, default=2**17)
     parser.add_argument("--devices", type=int, default=8)
@@ -969,7 +973,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--precision", default="bf16-mixed")
     args = parser.parse_args(argv)
     if args.table:
-        print(readme_table(fsdp_units=args.fsdp_units))
+        print(readme_table(fsdp_gather=args.fsdp_gather))
         return
     shape = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}[args.model]
     result = plan(
@@ -978,7 +982,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.devices,
         args.memory_gib * GiB,
         precision=args.precision,
-        fsdp_units=args.fsdp_units,
+        fsdp_gather=args.fsdp_gather,
     )
     print(result.to_markdown())
 

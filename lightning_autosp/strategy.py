@@ -229,6 +229,7 @@ class AutoSPStrategy(DDPStrategy):
                 gpus_per_node=self.num_processes,
                 sac=self.sac,
                 data_parallel=self.data_parallel,
+                fsdp_gather=self.fsdp_gather,
                 precision=self.precision_plugin.precision,
                 **self.loss_options,
             ).setup.sp_size

@@ -80,6 +80,12 @@ CASES = {
     "gpt_sp_pass_off": Case(GPTModule, sp_pass=False),
     "ddp_sp1": Case(GPTModule, sp_size=1),
     "llama_bf16_mixed": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, precision="bf16-mixed"),
+    "fsdp_llama_bf16_mixed": Case(
+        LlamaModule,
+        {"heads": 4, "kv_heads": 2},
+        precision="bf16-mixed",
+        strategy_kwargs={"data_parallel": "fsdp"},
+    ),
     "gpt_inductor": Case(GPTModule, {"mask": "triu"}, seq_len=25, strategy_kwargs={"compiler": "inductor"}),
     # Chunked LM head + loss, 5 tokens a chunk: uneven shards (31 + 30), ragged last chunks, ignored labels.
     "gpt_chunked_loss": Case(

@@ -67,6 +67,7 @@ def two_rank_results(tmp_path_factory) -> dict[int, dict]:
             "gpt_sp_pass_off",
             "ddp_sp1",
             "llama_bf16_mixed",
+            "fsdp_llama_bf16_mixed",
             *FSDP_CASES,
             "fsdp_user_blocks",
             *CHUNKED_LOSS_CASES,
@@ -182,10 +183,11 @@ def test_parity_breaks_without_ring_attention(four_rank_results):
 
 
 @pytest.mark.timeout(700)
-def test_bf16_mixed_parity_within_bf16_rounding(two_rank_results):
+@pytest.mark.parametrize("case", ["llama_bf16_mixed", "fsdp_llama_bf16_mixed"])
+def test_bf16_mixed_parity_within_bf16_rounding(two_rank_results, case):
     # Against a single-device run under the same CPU bf16 autocast; bf16 has 8 bits of mantissa (2**-7).
     for rank, per_case in two_rank_results.items():
-        result = per_case["llama_bf16_mixed"]
+        result = per_case[case]
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
         assert result["all_to_alls"] > 0
         assert result["loss_rel_err"] <= 1e-2 and result["grad_rel_err"] <= 3e-2, (rank, result)

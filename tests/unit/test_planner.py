@@ -108,16 +108,16 @@ def test_sequence_parallelism_divides_activations() -> None:
 
 def test_fsdp_shards_state_over_all_ranks() -> None:
     ddp = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="ddp"), 2**17)
-    fsdp = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="fsdp", fsdp_units="block"), 2**17)
+    fsdp = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="fsdp"), 2**17)
     N = LLAMA_3_1_8B.param_count
     assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * N, 4 * N, 8 * N)  # bf16-mixed, AdamW
     assert (fsdp.params, fsdp.optimizer) == (4 * N // 64, 8 * N // 64)
-    # in the step: two blocks or the embedding gathered (comm), their gradients before the reduce-scatter
-    unit = max(2 * LLAMA_3_1_8B.layer_params, LLAMA_3_1_8B.embedding_params) * 4
+    # in the step: a layer or the embedding gathered (comm), their gradients before the reduce-scatter
+    unit = max(LLAMA_3_1_8B.layer_params, LLAMA_3_1_8B.embedding_params) * 4
     assert fsdp.grads == 4 * N // 64 + unit and fsdp.comm_buffers > unit
     assert fsdp.activations == ddp.activations
-    whole = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="fsdp", fsdp_units="model"), 2**17)
-    assert whole.grads == 4 * N // 64 + 4 * N  # the strategy's units today: the whole model
+    whole = step_memory(LLAMA_3_1_8B, Setup(8, 64, data_parallel="fsdp", fsdp_gather="per_step"), 2**17)
+    assert whole.grads == 4 * N // 64 + 4 * N  # one FSDP2 unit: the whole model
 
 
 def test_mask_and_logits_components() -> None:
@@ -148,24 +148,24 @@ def test_all_to_all_bytes_follow_the_ulysses_formula() -> None:
 
 
 def test_max_seq_len_is_the_fitting_boundary() -> None:
-    setup = Setup(8, 8, data_parallel="fsdp", fsdp_units="block")
+    setup = Setup(8, 8, data_parallel="fsdp")
     usable = 70 * GiB
     longest = max_seq_len(LLAMA_3_1_8B, setup, usable)
     assert step_memory(LLAMA_3_1_8B, setup, longest).total <= usable
     assert step_memory(LLAMA_3_1_8B, setup, longest + 8).total > usable
-    result = plan(LLAMA_3_1_8B, longest, 8, usable / 0.9, data_parallel="fsdp", fsdp_units="block")
+    result = plan(LLAMA_3_1_8B, longest, 8, usable / 0.9, data_parallel="fsdp")
     (option,) = [o for o in result.options if o.setup.sp_size == 8 and o.setup.sac]
     assert option.fits and option.max_seq_len == longest
 
 
 def test_plan_renders_and_flags_sp_groups_across_nodes() -> None:
-    result = plan(LLAMA_3_1_70B, 2**17, 64, 80 * GiB, sac=True, data_parallel="fsdp", fsdp_units="block")
+    result = plan(LLAMA_3_1_70B, 2**17, 64, 80 * GiB, sac=True, data_parallel="fsdp")
     text = result.to_markdown()
     assert "Llama-3.1-70B" in text and "(crosses nodes)" in text
     assert {o.setup.sp_size for o in result.options} == {1, 2, 4, 8, 16, 32, 64}
     assert all(o.sp_within_node == (o.setup.sp_size <= 8) for o in result.options)
     assert result.__rich__().row_count == len(result.options)
-    table = readme_table(seq_lens=(2**17,), device_counts=(64,), fsdp_units="block")
+    table = readme_table(seq_lens=(2**17,), device_counts=(64,))
     assert table.count("\n") == 3 and "| Llama-3.1-70B | 128K | 64 | 32 * |" in table  # * spans nodes
 
 
