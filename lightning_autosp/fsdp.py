@@ -206,10 +206,15 @@ def check_user_sharding(module: nn.Module, world_size: int) -> None:
 def setup_fully_sharded(
     strategy: DDPStrategy, trainer: pl.Trainer, mesh: DeviceMesh, gather: FSDPGather = "per_use"
 ) -> None:
-    """``DDPStrategy.setup`` with FSDP2 in place of DDP (for evaluation too: the weights stay sharded)."""
+    """``DDPStrategy.setup`` with sharding in place of DDP (for evaluation too: the weights stay sharded).
+
+    A module sharded by an earlier Trainer run (fit, then validate) is on its device and in its dtype
+    already; moving it again would swap DTensor parameters that compiled code still refers to.
+    """
     strategy.accelerator.setup(trainer)
-    strategy.model = strategy.precision_plugin.convert_module(strategy.model)
-    strategy.model_to_device()
+    if not any(isinstance(m, _GatheringModule) for m in strategy.model.modules()):
+        strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+        strategy.model_to_device()
     shard_module(strategy.model, mesh, gather)
     fitting = trainer.state.fn == TrainerFn.FITTING
     if fitting:

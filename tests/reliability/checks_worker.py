@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -323,7 +324,8 @@ def check_fsdp_checkpoint(out: Path) -> dict:
 # validation
 
 
-def check_validate() -> dict:
+def check_validate(**strategy_kwargs: Any) -> dict:
+    """validate, test and predict with one Trainer: three setups of the same module."""
     samples = token_samples(6, 30, seed=11)
     for index, sample in enumerate(samples):  # some ignored labels, different per sample
         tail = (0, 7, 13)[index % 3]
@@ -335,7 +337,7 @@ def check_validate() -> dict:
         eager = [module.training_step(stack(samples[i : i + 2]), 0).item() for i in (0, 2, 4)]
         logits = module.model(stack(samples[:2])["input_ids"])
     torch._dynamo.reset()
-    trainer = make_trainer(make_strategy(2))
+    trainer = make_trainer(make_strategy(2, **strategy_kwargs))
     results = trainer.validate(module, DataLoader(samples, batch_size=2))
     tested = trainer.test(module, DataLoader(samples, batch_size=2))
     # predict returns this rank's slice of the sequence; gather_sequence puts the whole output together.
@@ -545,6 +547,7 @@ def main() -> None:
         "checkpoint": lambda: check_checkpoint(out),
         "fsdp_checkpoint": lambda: check_fsdp_checkpoint(out),
         "validate": check_validate,
+        "fsdp_validate": lambda: check_validate(data_parallel="fsdp"),
         "numerics": check_numerics,
         "property": lambda: check_property(out, args.max_examples),
         "ambiguous_shard": check_ambiguous_shard,

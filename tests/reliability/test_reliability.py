@@ -63,7 +63,8 @@ def test_peers_of_a_wedged_rank_give_up_after_the_strategy_timeout():
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("reliability")
-    names = ["bad_input", "checkpoint", "fsdp_checkpoint", "validate", "numerics", "property"]
+    names = ["bad_input", "checkpoint", "fsdp_checkpoint", "validate", "fsdp_validate", "numerics"]
+    names.append("property")
     names.append("ambiguous_shard")  # last: see checks_worker.py
     args = ["--out", str(out), "--checks", *names, "--max-examples", str(MAX_EXAMPLES)]
     code, stderr, _ = torchrun(2, HERE / "checks_worker.py", *args, timeout=400)
@@ -188,9 +189,11 @@ def test_load_from_checkpoint_on_one_process_for_inference(checks):
 
 
 @pytest.mark.timeout(420)
-def test_validation_loss_equals_single_device(checks):
+@pytest.mark.parametrize("check", ["validate", "fsdp_validate"])
+def test_validation_loss_equals_single_device(checks, check):
     # GPTModule.validation_step calls self.training_step and logs val_loss; 30 tokens, ignored labels.
-    for rank, result in each_rank(checks, "validate"):
+    # Under fsdp the module is sharded by the first run (validate) and kept so by the next two.
+    for rank, result in each_rank(checks, check):
         assert "error" not in result, (rank, result)
         assert result["all_to_alls"] > 0
         assert result["val_loss"] == pytest.approx(result["reference"], rel=LOSS_TOLERANCE), rank
@@ -198,8 +201,9 @@ def test_validation_loss_equals_single_device(checks):
 
 
 @pytest.mark.timeout(420)
-def test_predict_returns_each_ranks_slice_of_the_exact_output(checks):
-    for rank, result in each_rank(checks, "validate"):
+@pytest.mark.parametrize("check", ["validate", "fsdp_validate"])
+def test_predict_returns_each_ranks_slice_of_the_exact_output(checks, check):
+    for rank, result in each_rank(checks, check):
         assert result["predict_shape_ok"], (rank, result)
         assert result["predict_max_abs_err"] < 1e-5, rank
 
