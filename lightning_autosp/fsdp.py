@@ -67,13 +67,19 @@ def check_data_parallel(
     data_parallel: object,
     save_distributed_checkpoint: object,
     ddp_kwargs: Mapping[str, Any],
-    fsdp_gather: object = "per_use",
+    fsdp_gather: object = None,
 ) -> None:
     """Raise on bad ``data_parallel`` options, before any process starts."""
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f"data_parallel={data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
-    if fsdp_gather not in ("per_use", "per_step"):
+    if fsdp_gather not in (None, "per_use", "per_step"):
         raise ValueError(f"fsdp_gather={fsdp_gather!r} is not supported; use 'per_use' or 'per_step'.")
+    if fsdp_gather is not None and data_parallel != "fsdp":
+        raise ValueError(
+            f"fsdp_gather={fsdp_gather!r} chooses how data_parallel='fsdp' gathers parameters; with "
+            f"data_parallel={data_parallel!r} every rank holds them whole. Remove it, or set "
+            "data_parallel='fsdp'."
+        )
     if data_parallel == "fsdp" and ddp_kwargs:
         raise ValueError(
             f"{sorted(ddp_kwargs)} are DistributedDataParallel options, which do nothing with "

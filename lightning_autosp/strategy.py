@@ -96,7 +96,7 @@ class AutoSPStrategy(DDPStrategy):
             tokens (None: chunks of at most 2**26 logits), never holding the whole logits.
         data_parallel: "ddp" (replicas, gradients all-reduced) or "fsdp" (parameters, gradients and
             optimizer state sharded over all dp x sp ranks, ZeRO-3; ``lightning_autosp/fsdp.py``).
-        fsdp_gather: with "fsdp", "per_use" (default) all-gathers each parameter inside the compiled
+        fsdp_gather: with "fsdp" only: "per_use" (default) all-gathers each parameter inside the compiled
             step where it is used and again in backward, so only a few layers are whole at a time;
             "per_step" makes the LightningModule one FSDP2 ``fully_shard`` unit, whole for each step.
         save_distributed_checkpoint: with "fsdp", save one shard per rank to a directory instead of
@@ -120,7 +120,7 @@ class AutoSPStrategy(DDPStrategy):
         chunked_loss: bool = True,
         loss_chunk_tokens: int | None = None,
         data_parallel: fsdp.DataParallel = "ddp",
-        fsdp_gather: fsdp.FSDPGather = "per_use",
+        fsdp_gather: fsdp.FSDPGather | None = None,
         save_distributed_checkpoint: bool = False,
         max_seq_len: int | None = None,
         memory_per_device: int | None = None,
@@ -171,7 +171,7 @@ class AutoSPStrategy(DDPStrategy):
         self._original_steps: dict[str, Callable] = {}
         fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs, fsdp_gather)
         self.data_parallel: fsdp.DataParallel = data_parallel
-        self.fsdp_gather: fsdp.FSDPGather = fsdp_gather
+        self.fsdp_gather: fsdp.FSDPGather = fsdp_gather or "per_use"
         self._save_distributed_checkpoint = save_distributed_checkpoint
 
     @property

@@ -53,6 +53,9 @@ def test_local_state_bytes_counts_params_grads_and_optimizer_state():
 def test_unknown_fsdp_gather_is_refused():
     with pytest.raises(ValueError, match="fsdp_gather='per_layer' is not supported; use 'per_use' or"):
         AutoSPStrategy(sp_size=2, data_parallel="fsdp", fsdp_gather="per_layer")
+    with pytest.raises(ValueError, match="fsdp_gather='per_step' chooses how data_parallel='fsdp' gathers"):
+        AutoSPStrategy(sp_size=2, fsdp_gather="per_step")
+    assert AutoSPStrategy(sp_size=2, data_parallel="fsdp").fsdp_gather == "per_use"
 
 
 def test_sharded_parameters_keep_their_names_and_ties_and_read_whole(gloo_group: str) -> None:
