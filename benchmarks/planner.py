@@ -204,15 +204,17 @@ def compare(
     seq_len: int,
     *,
     rank: int = 0,
-    compiler: str = "aot_eager",
     peak: bool = False,
     **shape: Any,
 ) -> dict:
-    """Planned against measured figures for one (model, setup, sequence length); bytes per rank."""
+    """Planned against measured figures for one (model, setup, sequence length); bytes per rank.
+
+    The step compiles with ``setup.compiler``, which the plan also takes into account.
+    """
     model, config, loss_step = tiny_gpt(**shape) if kind == "gpt" else tiny_llama(**shape)
     vocab = config["vocab_size"] if isinstance(config, dict) else config.vocab_size
     measured = measure(
-        model, loss_step, setup, seq_len, vocab=vocab, rank=rank, compiler=compiler, measure_peak=peak
+        model, loss_step, setup, seq_len, vocab=vocab, rank=rank, compiler=setup.compiler, measure_peak=peak
     )
     planned_shape = model_shape(model if kind == "llama" else config)
     predicted = step_memory(planned_shape, setup, seq_len)
@@ -226,7 +228,7 @@ def compare(
         "sac": setup.sac,
         "precision": setup.precision,
         "chunked_loss": setup.chunked_loss,
-        "compiler": compiler,
+        "compiler": setup.compiler,
         "measured_saved": measured.saved_bytes,
         "planned_saved": sum(saved_activations(planned_shape, setup, seq_len).values()),
         "measured_params": measured.params_bytes,
@@ -295,11 +297,14 @@ def main(argv: list[str] | None = None) -> None:
                     for chunked in args.chunked_loss:
                         for seq_len in args.seq_lens:
                             setup = Setup(
-                                sp, sp, sac=sac == "on", precision=precision, chunked_loss=chunked == "yes"
+                                sp,
+                                sp,
+                                sac=sac == "on",
+                                precision=precision,
+                                chunked_loss=chunked == "yes",
+                                compiler=args.compiler,
                             )
-                            row = compare(
-                                kind, setup, seq_len, compiler=args.compiler, peak=args.peak, **shape
-                            )
+                            row = compare(kind, setup, seq_len, peak=args.peak, **shape)
                             rows.append(row)
                             print(render([row]).splitlines()[-1], flush=True)
                             if args.list:

@@ -34,7 +34,10 @@ Note [Step peak]
            + max(saved activations + workspace, grads)
     Backward frees activations as it makes gradients (Lightning sets them to None between steps), so
     the step peaks either when backward starts (everything saved, plus the workspace) or when it
-    ends (all gradients). The workspace is the larger of the logits' (logits, their fp32 copy and
+    ends (all gradients). That holds for Inductor, which frees each saved tensor after its last use;
+    ``compiler="aot_eager"`` keeps them all until backward returns, so there the end of backward
+    holds the saved activations and all gradients at once (the profiler puts the peak at 0.99 of the
+    step). The workspace is the larger of the logits' (logits, their fp32 copy and
     gradient for T tokens, or for one chunk with the chunked loss) and one layer's backward: with
     SAC the layer rebuilt (what it would save without SAC, less q, k, v and the attention outputs,
     which SAC keeps), plus the gradients of the residual stream, of the MLP (three MLP-wide ones when
@@ -56,6 +59,8 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+
+from lightning_autosp.compiler.backend import Compiler
 
 __all__ = [
     "LLAMA_3_1_70B",
@@ -336,6 +341,7 @@ class Setup:
     loss_chunk_tokens: int | None = None
     optimizer_states: int = 2
     fsdp_gather: FSDPGather = "per_use"
+    compiler: Compiler = "inductor"
 
     def __post_init__(self) -> None:
         precision = _PRECISIONS.get(self.precision, self.precision)
@@ -452,6 +458,7 @@ class MemoryBreakdown:
     attention_mask: int
     logits_workspace: int
     layer_workspace: int
+    activations_freed_in_backward: bool = True
 
     @property
     def workspace(self) -> int:
@@ -461,10 +468,12 @@ class MemoryBreakdown:
     def total(self) -> int:
         """The step's peak (Note [Step peak])."""
         held = self.params + self.optimizer + self.comm_buffers + self.attention_mask
-        return held + max(self.activations + self.workspace, self.grads)
+        at_backward_end = self.grads + (0 if self.activations_freed_in_backward else self.activations)
+        return held + max(self.activations + self.workspace, at_backward_end)
 
     def items(self) -> list[tuple[str, int]]:
-        return [(f.name, getattr(self, f.name)) for f in fields(self)] + [("total", self.total)]
+        sizes = [(f.name, getattr(self, f.name)) for f in fields(self) if f.type in (int, "int")]
+        return sizes + [("total", self.total)]
 
 
 def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdown:
@@ -519,6 +528,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
         attention_mask=mask,
         logits_workspace=logits,
         layer_workspace=recompute + gradients,
+        activations_freed_in_backward=setup.compiler == "inductor",
     )
 
 
@@ -698,6 +708,7 @@ def plan(
     loss_chunk_tokens: int | None = None,
     optimizer_states: int = 2,
     fsdp_gather: FSDPGather = "per_use",
+    compiler: Compiler = "inductor",
     reserve: float = 0.1,
 ) -> Plan:
     """Predict per-rank memory for every (sp_size, sac, data_parallel) and the longest trainable sequence.
@@ -717,6 +728,7 @@ def plan(
             momentum).
         fsdp_gather: as ``AutoSPStrategy``'s option: "per_use" gathers each parameter where the step
             uses it; "per_step" gathers the whole model for the step.
+        compiler: as ``AutoSPStrategy``'s option ("aot_eager" holds saved tensors until backward ends).
         reserve: share of ``memory_per_device`` left for the CUDA context, NCCL and fragmentation.
     """
     shape = model_shape(model_or_config)
@@ -745,6 +757,7 @@ def plan(
                     loss_chunk_tokens=loss_chunk_tokens,
                     optimizer_states=optimizer_states,
                     fsdp_gather=fsdp_gather,
+                    compiler=compiler,
                 )
                 options.append(
                     PlanOption(
@@ -773,6 +786,7 @@ def choose_sp_size(
     chunked_loss: bool = True,
     loss_chunk_tokens: int | None = None,
     fsdp_gather: FSDPGather = "per_use",
+    compiler: Compiler = "inductor",
 ) -> PlanOption:
     """The plan of the smallest sp_size whose step fits in ``memory_per_device``.
 
@@ -792,6 +806,7 @@ def choose_sp_size(
         chunked_loss=chunked_loss,
         loss_chunk_tokens=loss_chunk_tokens,
         fsdp_gather=fsdp_gather,
+        compiler=compiler,
     )
     best = result.best()
     if best is not None:
@@ -846,6 +861,7 @@ def auto_sp_size(
     chunked_loss: bool,
     loss_chunk_tokens: int | None,
     fsdp_gather: FSDPGather = "per_use",
+    compiler: Compiler = "inductor",
 ) -> PlanOption:
     """``AutoSPStrategy(sp_size="auto")``: the smallest sp_size that fits ``max_seq_len`` tokens.
 
@@ -874,6 +890,7 @@ def auto_sp_size(
         chunked_loss=chunked_loss,
         loss_chunk_tokens=loss_chunk_tokens,
         fsdp_gather=fsdp_gather,
+        compiler=compiler,
     )
     rank_zero_info(f"sp_size='auto' for {max_seq_len} tokens: {chosen.describe()}")
     return chosen

@@ -230,6 +230,7 @@ class AutoSPStrategy(DDPStrategy):
                 sac=self.sac,
                 data_parallel=self.data_parallel,
                 fsdp_gather=self.fsdp_gather,
+                compiler=self.compiler,
                 precision=self.precision_plugin.precision,
                 **self.loss_options,
             ).setup.sp_size
