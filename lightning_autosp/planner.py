@@ -42,9 +42,9 @@ Note [Step peak]
     SAC the layer rebuilt (what it would save without SAC, less q, k, v and the attention outputs,
     which SAC keeps), plus the gradients of the residual stream, of the MLP (three MLP-wide ones when
     a gated MLP is rebuilt), of the norms (fp32 under autocast) and of q, k, v. Against allocator peaks
-    measured on CPU (``benchmarks/planner.py --peak``, 2-layer models, where one layer's workspace is
-    a large share of the peak) it errs from -20% to +21%; the saved activations, which dominate at
-    scale, are within 7%.
+    measured on CPU (``benchmarks/planner.py --peak``) it errs from -14% to +7% on 8-layer models and
+    from -20% to +21% on 2-layer ones, where one layer's workspace is a large share of the peak; the
+    saved activations, which dominate at scale, are within 7%.
     ``reserve`` (default 10% of the device) is left for the CUDA context, NCCL and fragmentation.
 """
 
