@@ -79,6 +79,7 @@ CASES = {
     "llama_len61": Case(LlamaModule, seq_len=61, ignored_tail=(5, 9)),
     "gpt_sp_pass_off": Case(GPTModule, sp_pass=False),
     "ddp_sp1": Case(GPTModule, sp_size=1),
+    "fsdp_sp1": Case(GPTModule, sp_size=1, strategy_kwargs={"data_parallel": "fsdp"}),
     "llama_bf16_mixed": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, precision="bf16-mixed"),
     "fsdp_llama_bf16_mixed": Case(
         LlamaModule,

@@ -66,6 +66,7 @@ def two_rank_results(tmp_path_factory) -> dict[int, dict]:
             "gpt_graph_break_in_loop",
             "gpt_sp_pass_off",
             "ddp_sp1",
+            "fsdp_sp1",
             "llama_bf16_mixed",
             "fsdp_llama_bf16_mixed",
             *FSDP_CASES,
@@ -194,8 +195,9 @@ def test_bf16_mixed_parity_within_bf16_rounding(two_rank_results, case):
 
 
 @pytest.mark.timeout(700)
-def test_sp_size_1_is_plain_ddp(two_rank_results):
-    assert_parity(two_rank_results, "ddp_sp1", sequence_parallel=False)
+@pytest.mark.parametrize("case", ["ddp_sp1", "fsdp_sp1"])
+def test_sp_size_1_is_plain_data_parallel(two_rank_results, case):
+    assert_parity(two_rank_results, case, sequence_parallel=False)
 
 
 @pytest.mark.timeout(700)
