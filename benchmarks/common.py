@@ -249,6 +249,20 @@ def _collective_record(event: Any, backward_start: int | None) -> tuple[str, str
     return phase, match.group(2), nbytes
 
 
+def collective_bytes(profiler: Any) -> dict[str, int]:
+    """Bytes each rank passed to each kind of collective (``all_gather``, ...) in a finished profile
+    (recorded with ``record_shapes=True``)."""
+    totals: Counter = Counter()
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        record = _collective_record(event, None)
+        if record:
+            totals[record[1]] += record[2]
+        stack.extend(event.children)
+    return dict(totals)
+
+
 def _itemsize(dtype: Any) -> int:
     import torch
 

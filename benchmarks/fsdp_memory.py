@@ -1,6 +1,6 @@
 """Per-rank memory under ``AutoSPStrategy(data_parallel="fsdp")`` against ``"ddp"`` (CPU, gloo, sp=2).
 
-    python -m benchmarks.fsdp_memory [--ranks 2] [--steps 2] [--seq-len 512]
+    python -m benchmarks.fsdp_memory [--ranks 2] [--steps 4] [--seq-len 512] [--precision 32-true]
 
 (from the repository root) runs one ``torchrun --standalone`` job per mode, each training an HF Llama from a
 config (about 45M parameters: vocabulary 32000, hidden 512, 4 layers, 8 heads, 4 KV heads) with AdamW under
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, MiB, cpu_allocation_peak
+from benchmarks.common import RESULTS, ROOT, MiB, collective_bytes, cpu_allocation_peak
 
 # data_parallel="fsdp" gathers each parameter where the step uses it ("per_use", the default) or the whole
 # module around the step as one FSDP2 unit ("per_step").
@@ -47,11 +47,15 @@ LLAMA = dict(
 )
 
 
+COLLECTIVE_COLUMNS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2, help="processes (sp=2, dp=ranks/2)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="steps; the peak is the least of steps 2..")
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. bf16-mixed")
     parser.add_argument("--out", type=Path, default=RESULTS / "fsdp_memory.json")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -79,19 +83,24 @@ def worker(args: argparse.Namespace) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     class StateBytes(L.Callback):
-        """State bytes after each step; the allocator's in-step peak of the last step (under the profiler)."""
+        """State bytes after each step; the allocator's in-step peak (under the profiler) of every step
+        after the first (the compile), the least of them: a tensor freed on a gloo thread has no free
+        event, so one step can over-count (``benchmarks.common.profiled_step``)."""
+
+        step_peak = float("inf")
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if trainer.global_step == args.steps - 1:
-                self.profiler = torch.profiler.profile(profile_memory=True)
+            if trainer.global_step >= 1:
+                self.profiler = torch.profiler.profile(profile_memory=True, record_shapes=True)
                 self.profiler.__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.bytes = local_state_bytes(pl_module, trainer.optimizers)
             self.loss = float(outputs["loss"])
-            if trainer.global_step == args.steps:
+            if trainer.global_step >= 2:
                 self.profiler.__exit__(None, None, None)
-                self.step_peak = cpu_allocation_peak(self.profiler)
+                self.step_peak = min(self.step_peak, cpu_allocation_peak(self.profiler))
+                self.collectives = collective_bytes(self.profiler)
 
     torch.manual_seed(0)
     world = int(os.environ["WORLD_SIZE"])
@@ -104,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
+        precision=args.precision,
         strategy=AutoSPStrategy(sp_size=2, compiler="aot_eager", **MODES[args.worker]),
         max_steps=args.steps,
         logger=False,
@@ -117,6 +127,7 @@ def worker(args: argparse.Namespace) -> None:
     record = {
         **state.bytes,
         "step_peak": state.step_peak,
+        "collective_bytes": state.collectives,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "last_loss": state.loss,
         "fit_s": round(time.perf_counter() - start, 1),
@@ -148,7 +159,14 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         partial = Path(f"{args.out}.{mode}")
         runs[mode] = json.loads(partial.read_text())
         partial.unlink()
-    report = {"command": command, "seq_len": args.seq_len, "steps": args.steps, "llama": LLAMA, "runs": runs}
+    report = {
+        "command": command,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "precision": args.precision,
+        "llama": LLAMA,
+        "runs": runs,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     args.out.with_suffix(".md").write_text(render_markdown(report))
@@ -161,23 +179,32 @@ def render_markdown(report: dict) -> str:
     first = next(iter(runs.values()))
     lines = [
         f"Per-rank memory, HF Llama ({first['parameters'] / 1e6:.1f}M parameters), AdamW, sp=2 on "
-        f"{first['world']} CPU ranks, {report['seq_len']} tokens, after step {report['steps']}. "
+        f"{first['world']} CPU ranks, {report['seq_len']} tokens, {report.get('precision', '32-true')}, "
+        f"after step {report['steps']}. In-step peak: the least over steps 2 to {report['steps']}; "
+        "collectives: MiB each rank passes in one step (the input; gloo runs a reduce-scatter as an "
+        "all-reduce). "
         f"`{report['command']}`",
         "",
         "| data_parallel | rank | params MiB | grads MiB | optimizer MiB | sum MiB | vs ddp "
-        "| in-step allocator peak MiB | peak RSS MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in-step allocator peak MiB | + params + optimizer MiB | peak RSS MiB "
+        "| all-gather | reduce-scatter | all-reduce | all-to-all |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ddp = runs.get("ddp")
     for mode, run in runs.items():
         for rank, record in enumerate(run["ranks"]):
             total = record["params"] + record["grads"] + record["optimizer"]
+            sent = record.get("collective_bytes", {})
+            # held through the step besides what it allocates (ddp also holds its gradient buckets)
+            step_peak = record["params"] + record["optimizer"] + record["step_peak"]
             base = ddp["ranks"][rank] if ddp else record
             base_total = base["params"] + base["grads"] + base["optimizer"]
             lines.append(
                 f"| {mode} | {rank} | {record['params'] / MiB:.1f} | {record['grads'] / MiB:.1f} | "
                 f"{record['optimizer'] / MiB:.1f} | {total / MiB:.1f} | {total / base_total:.2f}x | "
-                f"{record['step_peak'] / MiB:.0f} | {record['peak_rss'] / MiB:.0f} |"
+                f"{record['step_peak'] / MiB:.0f} | {step_peak / MiB:.0f} | {record['peak_rss'] / MiB:.0f} | "
+                + " | ".join(f"{sent.get(name, 0) / MiB:.1f}" for name in COLLECTIVE_COLUMNS)
+                + " |"
             )
     return "\n".join(lines) + "\n"
 

@@ -16,6 +16,7 @@ Used through ``torch._inductor.config.custom_partitioner_fn`` (patched for one c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections import Counter
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 log = logging.getLogger(__name__)
+prims = torch.ops.prims
 
 SACMode = Literal["all", "auto", "off"]
 
@@ -139,18 +141,20 @@ def layer_boundaries(joint: fx.GraphModule) -> set[fx.Node]:
             seen.add(node)
             source = normalized.get(node) or (node if node in sources else None)
             if source is not None:
-                if _recompute_needs_matmuls(source):
+                if _costly_to_rebuild(source):
                     boundaries.add(source)
                 continue
             stack.extend(node.all_input_nodes)
     return boundaries
 
 
-def _recompute_needs_matmuls(node: fx.Node) -> bool:
-    """Whether rebuilding ``node`` from the graph inputs runs any FLOP-counted op.
+def _costly_to_rebuild(node: fx.Node) -> bool:
+    """Whether rebuilding ``node`` from the graph inputs runs a FLOP-counted op or gathers a parameter.
 
-    The first block's input is an embedding lookup: cheap to rebuild, so not worth its bytes. A graph
-    input (placeholder) is held anyway.
+    The first block's input is an embedding lookup: cheap to rebuild when the table is at hand, so not
+    worth its bytes; with the table sharded (data_parallel="fsdp") rebuilding it would all-gather the
+    whole table again in backward, which costs more than the block input. A graph input (placeholder)
+    is held anyway.
     """
     stack, seen = [node], set()
     while stack:
@@ -158,7 +162,7 @@ def _recompute_needs_matmuls(node: fx.Node) -> bool:
         if current in seen or current.op != "call_function":
             continue
         seen.add(current)
-        if node_flops(current) > 0:
+        if node_flops(current) > 0 or _is_parameter_all_gather(current):
             return True
         stack.extend(current.all_input_nodes)
     return False
@@ -200,7 +204,78 @@ def tag_recompute_policy(joint: fx.GraphModule, recomputable: set[fx.Node] | Non
     return counts
 
 
+# ----------------------------------------------------------------------------------------- parameter gathers
+# data_parallel="fsdp" all-gathers each sharded parameter in the graph (lightning_autosp/fsdp.py).
+
 _NO_INPUT = object()
+_SHAPE_OPS = {"view", "_unsafe_view", "reshape", "alias", "slice", "narrow"}
+
+
+def cast_before_parameter_gathers(joint: fx.GraphModule) -> int:
+    """Move autocast's cast of a gathered parameter in front of its all-gather; return how many moved.
+
+    ::
+
+        weight_shard fp32 [out/W, in] -> all_gather -> wait -> view -> _to_copy(bf16) -> mm
+        weight_shard fp32 [out/W, in] -> _to_copy(bf16) -> all_gather -> wait -> view -> mm
+
+    Exact (an all-gather only moves elements) and half the bytes on the wire and in the gathered copy,
+    in forward and in backward's re-gather. Only where every use of the gathered parameter is the same
+    cast to a narrower dtype (matmul weights under autocast); a norm's weight, used in fp32, stays.
+    Gradients are untouched: their reduce-scatter is built from backward nodes, in the parameter's dtype.
+    """
+    moved = 0
+    for gather in [n for n in joint.graph.nodes if _is_parameter_all_gather(n)]:
+        chain, end = [gather], gather
+        while len(end.users) == 1:
+            (user,) = end.users
+            if (
+                not (_op_name(user) == "wait_tensor" or _op_name(user) in _SHAPE_OPS)
+                or user.args[0] is not end
+            ):
+                break
+            chain.append(user)
+            end = user
+        casts = list(end.users)
+        dtypes = {_cast_dtype(c) for c in casts}
+        source = _value(gather.args[0])
+        if _op_name(chain[-1]) == "all_gather_into_tensor" or len(dtypes) != 1 or None in dtypes:
+            continue
+        (dtype,) = dtypes
+        if not isinstance(source, torch.Tensor) or dtype.itemsize >= source.dtype.itemsize:
+            continue
+        shard = gather.args[0]
+        with joint.graph.inserting_before(gather):
+            # prims' cast, not aten._to_copy: Inductor has decomposed the joint graph already
+            early_cast = joint.graph.call_function(
+                torch.ops.prims.convert_element_type.default, (shard, dtype)
+            )
+        gather.replace_input_with(shard, early_cast)
+        for node in [early_cast, *chain]:
+            _set_dtype(node, dtype, like=shard if node is early_cast else node)
+        for cast in casts:
+            cast.replace_all_uses_with(end)
+            joint.graph.erase_node(cast)
+        moved += 1
+    if moved:
+        joint.recompile()
+    return moved
+
+
+def _cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype a pure dtype cast converts to, else None."""
+    if _op_name(node) == "_to_copy" and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
+        return node.kwargs["dtype"]
+    if _op_name(node) == "convert_element_type":
+        return node.args[1]
+    return None
+
+
+def _set_dtype(node: fx.Node, dtype: torch.dtype, like: fx.Node) -> None:
+    value = like.meta["val"]
+    with torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
+        node.meta["val"] = value.to(dtype)
+    node.meta.pop("tensor_meta", None)
 
 
 def tag_parameter_gathers(joint: fx.GraphModule) -> int:
@@ -210,7 +285,7 @@ def tag_parameter_gathers(joint: fx.GraphModule) -> int:
         Under ``data_parallel="fsdp"`` a parameter is its rank's shard, a graph input, all-gathered
         where it is used (``lightning_autosp/fsdp.py``)::
 
-            weight_shard [out/W, in] -> all_gather -> wait -> (narrow off padding, cast) -> weight [out, in]
+            weight_shard [out/W, in] -> (cast) -> all_gather -> wait -> (narrow padding) -> weight [out, in]
 
         Saving ``weight`` for backward would keep every parameter whole from its use in forward to
         backward: the whole model at the step's peak, which is what sharding is for. Recomputing the
@@ -218,8 +293,9 @@ def tag_parameter_gathers(joint: fx.GraphModule) -> int:
         reshard-after-forward does. This is the one collective re-run in backward; SP's all-to-alls
         move activations, which would cost a second round of traffic of the sequence's size.
 
-    A node is in such a chain when an all-gather is among its ancestors (or is itself one) and its only
-    graph input is one primal. Returns the number of nodes tagged; SAC's mode does not matter.
+    A node is in such a chain when its only graph input is one primal and an all-gather is among its
+    ancestors, is itself one, or is fed by it (a cast in front of the gather). Returns the number of
+    nodes tagged; SAC's mode does not matter.
     """
     # The one primal each node is computed from; None when several (or a tangent), _NO_INPUT for
     # nodes computed from no input (constants, the padding of an uneven shard).
@@ -227,7 +303,6 @@ def tag_parameter_gathers(joint: fx.GraphModule) -> int:
         n: n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in n.name
     }
     gathered: set[fx.Node] = set()
-    tagged = 0
     for node in forward_nodes(joint):
         sources = {source.get(n) for n in node.all_input_nodes} - {_NO_INPUT}
         source[node] = sources.pop() if len(sources) == 1 else (_NO_INPUT if not sources else None)
@@ -235,10 +310,18 @@ def tag_parameter_gathers(joint: fx.GraphModule) -> int:
             continue
         if _is_parameter_all_gather(node) or any(n in gathered for n in node.all_input_nodes):
             gathered.add(node)
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta.setdefault("ac_graph_id", 0)
-            tagged += 1
-    return tagged
+    feeding = [n for n in gathered if _is_parameter_all_gather(n)]
+    while feeding:  # what is computed from the shard before the gather (a cast, padding)
+        node = feeding.pop()
+        for input_node in node.all_input_nodes:
+            from_shard = input_node.op == "call_function" and isinstance(source.get(input_node), fx.Node)
+            if from_shard and input_node not in gathered:
+                gathered.add(input_node)
+                feeding.append(input_node)
+    for node in gathered:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta.setdefault("ac_graph_id", 0)
+    return len(gathered)
 
 
 def _value(node: object) -> object:
@@ -312,6 +395,7 @@ class SACReport:
     backward_collectives: int
     reason: str = ""
     parameter_gathers: int = 0  # all-gathers of sharded parameters backward runs again (data_parallel="fsdp")
+    gathers_in_compute_dtype: int = 0  # parameters all-gathered after autocast's cast, not before
 
     def line(self) -> str:
         share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
@@ -321,6 +405,8 @@ class SACReport:
         )
         if self.parameter_gathers:
             text += f", {self.parameter_gathers} sharded parameters gathered again in backward"
+        if self.gathers_in_compute_dtype:
+            text += f" ({self.gathers_in_compute_dtype} gathered in the compute dtype)"
         return f"{text}; {self.reason}" if self.reason else text
 
 
@@ -369,9 +455,11 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
                 (None, "") if self.mode == "all" else choose_recomputable(gm, self.overhead)
             )
             self.last_counts = tag_recompute_policy(gm, recomputable)
+        cast_gathers = cast_before_parameter_gathers(gm)
         self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
+        report.gathers_in_compute_dtype = cast_gathers
         self.reports.append(report)
         log.info(report.line())
         return forward, backward

@@ -291,6 +291,7 @@ def run_case(name: str, case: Case) -> dict:
         "graphs": sum(len(b.reports) for b in backends),
         "saved_bytes": sum(r.saved_bytes for b in backends for r in b.sac_reports),
         "backward_parameter_gathers": sum(r.parameter_gathers for b in backends for r in b.sac_reports),
+        "gathers_in_compute_dtype": sum(r.gathers_in_compute_dtype for b in backends for r in b.sac_reports),
         "checkpoint_keys_match": saved_keys == set(module.state_dict()),
         "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
         "explain": strategy.explain(),
