@@ -422,7 +422,10 @@ def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str
             saved["q, k, v after all-to-all"] = L * s.head_tokens * (q + 2 * s.kv_width) * s.x
             saved["attention out after all-to-all"] = L * T * q * s.x
             saved["labels"] = T * 8
-        saved["block inputs"] = (L - 1) * T * h * s.r
+        # The first block's input (the embedding's output) is rebuilt in backward, unless that would
+        # gather the sharded table again (data_parallel="fsdp", per use).
+        gathers_table = setup.data_parallel == "fsdp" and setup.fsdp_gather == "per_use"
+        saved["block inputs"] = (L if gathers_table else L - 1) * T * h * s.r
         return saved
     saved = {name: L * size for name, size in _layer_without_sac(shape, s).items()}
     stats = T * 4 * (2 if shape.norm == "layer" else 1)
