@@ -219,7 +219,7 @@ def compare(
     planned_shape = model_shape(model if kind == "llama" else config)
     predicted = step_memory(planned_shape, setup, seq_len)
     # What the profiled step allocates: all but the parameters, optimizer state and DDP's buckets.
-    in_step = predicted.total - predicted.params - predicted.optimizer - predicted.params
+    in_step = predicted.forward_backward - predicted.params - predicted.optimizer - predicted.params
     return {
         "model": kind,
         "seq_len": seq_len,

@@ -30,8 +30,10 @@ Note [What is saved for backward]
     before the all-to-all, as attention would after it.
 
 Note [Step peak]
-    peak = params + optimizer + comm buffers + attention mask
-           + max(saved activations + workspace, grads)
+    peak = max(params + optimizer + comm buffers + attention mask
+               + max(saved activations + workspace, grads),              # forward and backward
+               params + optimizer + DDP buckets + local grads
+               + optimizer workspace)                                      # optimizer.step()
     Backward frees activations as it makes gradients (Lightning sets them to None between steps), so
     the step peaks either when backward starts (everything saved, plus the workspace) or when it
     ends (all gradients). That holds for Inductor, which frees each saved tensor after its last use;
@@ -45,6 +47,11 @@ Note [Step peak]
     measured on CPU (``benchmarks/planner.py --peak``) it errs from -14% to +7% on 8-layer models and
     from -20% to +21% on 2-layer ones, where one layer's workspace is a large share of the peak; the
     saved activations, which dominate at scale, are within 7%.
+    The optimizer step holds every local gradient at once, and its temporaries: the foreach
+    implementation (PyTorch's default on GPU) makes a copy of all local parameters (AdamW's sqrt of the
+    second moment), the for-loop one (the default on CPU) two of the largest, the fused one none.
+    Whole Lightning training steps (a 44.6M-parameter Llama, 2 and 4 ranks, ``benchmarks/fsdp_memory.py``)
+    come within -9% to 0% for "ddp" (whose peak is the optimizer step) and both "fsdp" modes.
     ``reserve`` (default 10% of the device) is left for the CUDA context, NCCL and fragmentation.
 """
 
@@ -81,6 +88,7 @@ __all__ = [
 GiB = 2**30
 DataParallel = Literal["ddp", "fsdp"]
 FSDPGather = Literal["per_use", "per_step"]
+OptimizerImpl = Literal["foreach", "for_loop", "fused"]
 _PRECISIONS = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 # A chunk of the chunked loss holds at most this many logits (compiler/chunked_loss.py).
 _LOGITS_CHUNK_ELEMENTS = 2**26
@@ -144,6 +152,12 @@ class ModelShape:
         mlp = matrices * h * inner + (inner + h if self.bias and not self.gated_mlp else 0)
         norms = 2 * h * (2 if self.norm == "layer" else 1)
         return attention + mlp + norms
+
+    @property
+    def layer_matrix_params(self) -> int:
+        """The largest weight matrix of a layer (q/k/v fused or not, it is at most this)."""
+        h, q, kv = self.hidden, self.attention_width, self.kv_heads * self.d
+        return max(h * (q + 2 * kv), h * self.intermediate)
 
     @property
     def embedding_params(self) -> int:
@@ -342,6 +356,7 @@ class Setup:
     optimizer_states: int = 2
     fsdp_gather: FSDPGather = "per_use"
     compiler: Compiler = "inductor"
+    optimizer_impl: OptimizerImpl = "foreach"
 
     def __post_init__(self) -> None:
         precision = _PRECISIONS.get(self.precision, self.precision)
@@ -461,6 +476,8 @@ class MemoryBreakdown:
     attention_mask: int
     logits_workspace: int
     layer_workspace: int
+    optimizer_workspace: int = 0
+    optimizer_step: int = 0  # the optimizer step's own peak, all of it (Note [Step peak])
     activations_freed_in_backward: bool = True
 
     @property
@@ -468,15 +485,21 @@ class MemoryBreakdown:
         return max(self.logits_workspace, self.layer_workspace)
 
     @property
-    def total(self) -> int:
-        """The step's peak (Note [Step peak])."""
+    def forward_backward(self) -> int:
+        """The peak of forward and backward (Note [Step peak])."""
         held = self.params + self.optimizer + self.comm_buffers + self.attention_mask
         at_backward_end = self.grads + (0 if self.activations_freed_in_backward else self.activations)
         return held + max(self.activations + self.workspace, at_backward_end)
 
+    @property
+    def total(self) -> int:
+        """The step's peak: forward and backward, or the optimizer step (Note [Step peak])."""
+        return max(self.forward_backward, self.optimizer_step)
+
     def items(self) -> list[tuple[str, int]]:
-        sizes = [(f.name, getattr(self, f.name)) for f in fields(self) if f.type in (int, "int")]
-        return sizes + [("total", self.total)]
+        """The components, and the total."""
+        components = [f.name for f in fields(self) if f.type in (int, "int") and f.name != "optimizer_step"]
+        return [(name, getattr(self, name)) for name in components] + [("total", self.total)]
 
 
 def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdown:
@@ -490,14 +513,23 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     if setup.data_parallel == "ddp":
         params, grads, optimizer = N * pb, N * pb, state
         dp_buffers = N * pb  # DDP's gradient buckets (gradient_as_bucket_view=False)
+        local_grads, shards = grads, 1
     else:
         W = setup.devices
         # The all-gathered parameters alive at once, and their unsharded gradients before the
         # reduce-scatter (lightning_autosp/fsdp.py): per use, a layer's (if the compiler groups its
         # gathers) or the embedding / LM head, the largest single matrix; per step, the whole model.
-        unit = N if setup.fsdp_gather == "per_step" else max(shape.layer_params, shape.embedding_params)
-        params, grads, optimizer = N * pb // W, N * pb // W + unit * pb, state // W
-        dp_buffers = unit * pb
+        params, optimizer, local_grads, shards = N * pb // W, state // W, N * pb // W, W
+        if setup.fsdp_gather == "per_step":
+            grads, dp_buffers = local_grads + N * pb, N * pb
+        else:
+            # A gathered parameter and its unsharded gradient exist together, in its layer's backward.
+            unit = max(shape.layer_params, shape.embedding_params)
+            grads, dp_buffers = local_grads, 2 * unit * pb
+    # optimizer.step() holds the local gradients, DDP's buckets and its temporaries (Note [Step peak])
+    largest = max(shape.vocab * shape.hidden, shape.layer_matrix_params) * pb // shards
+    optimizer_workspace = {"foreach": local_grads, "for_loop": 2 * largest, "fused": 0}[setup.optimizer_impl]
+    ddp_buckets = dp_buffers if setup.data_parallel == "ddp" else 0
     saved = saved_activations(shape, setup, seq_len)
     mask = _mask_bytes(shape, setup, seq_len)  # saved or rebuilt in backward: held once either way
     activations = sum(saved.values()) - saved.get("attention mask", 0)
@@ -531,6 +563,8 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
         attention_mask=mask,
         logits_workspace=logits,
         layer_workspace=recompute + gradients,
+        optimizer_workspace=optimizer_workspace,
+        optimizer_step=params + optimizer + local_grads + optimizer_workspace + ddp_buckets,
         activations_freed_in_backward=setup.compiler == "inductor",
     )
 
@@ -712,6 +746,7 @@ def plan(
     optimizer_states: int = 2,
     fsdp_gather: FSDPGather = "per_use",
     compiler: Compiler = "inductor",
+    optimizer_impl: OptimizerImpl = "foreach",
     reserve: float = 0.1,
 ) -> Plan:
     """Predict per-rank memory for every (sp_size, sac, data_parallel) and the longest trainable sequence.
@@ -732,6 +767,8 @@ def plan(
         fsdp_gather: as ``AutoSPStrategy``'s option: "per_use" gathers each parameter where the step
             uses it; "per_step" gathers the whole model for the step.
         compiler: as ``AutoSPStrategy``'s option ("aot_eager" holds saved tensors until backward ends).
+        optimizer_impl: "foreach" (PyTorch's default on GPU), "for_loop" (on CPU) or "fused": what the
+            optimizer step allocates besides the state (Note [Step peak]).
         reserve: share of ``memory_per_device`` left for the CUDA context, NCCL and fragmentation.
     """
     shape = model_shape(model_or_config)
@@ -761,6 +798,7 @@ def plan(
                     optimizer_states=optimizer_states,
                     fsdp_gather=fsdp_gather,
                     compiler=compiler,
+                    optimizer_impl=optimizer_impl,
                 )
                 options.append(
                     PlanOption(
