@@ -31,7 +31,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 log = logging.getLogger(__name__)
-prims = torch.ops.prims
 
 SACMode = Literal["all", "auto", "off"]
 
@@ -229,10 +228,8 @@ def cast_before_parameter_gathers(joint: fx.GraphModule) -> int:
         chain, end = [gather], gather
         while len(end.users) == 1:
             (user,) = end.users
-            if (
-                not (_op_name(user) == "wait_tensor" or _op_name(user) in _SHAPE_OPS)
-                or user.args[0] is not end
-            ):
+            reshapes = _op_name(user) == "wait_tensor" or _op_name(user) in _SHAPE_OPS
+            if not reshapes or user.args[0] is not end:
                 break
             chain.append(user)
             end = user
@@ -247,9 +244,8 @@ def cast_before_parameter_gathers(joint: fx.GraphModule) -> int:
         shard = gather.args[0]
         with joint.graph.inserting_before(gather):
             # prims' cast, not aten._to_copy: Inductor has decomposed the joint graph already
-            early_cast = joint.graph.call_function(
-                torch.ops.prims.convert_element_type.default, (shard, dtype)
-            )
+            cast_op = torch.ops.prims.convert_element_type.default
+            early_cast = joint.graph.call_function(cast_op, (shard, dtype))
         gather.replace_input_with(shard, early_cast)
         for node in [early_cast, *chain]:
             _set_dtype(node, dtype, like=shard if node is early_cast else node)
