@@ -933,11 +933,21 @@ def _set_fake_value(node: fx.Node) -> None:
     mode = getattr(fake, "fake_mode", None)
     if mode is None:
         return
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(v, torch.Tensor) and v.requires_grad for v in _flatten([fake_args, fake_kwargs])
+    )
     try:
-        with mode:
-            node.meta["example_value"] = node.target(*fake_args, **fake_kwargs)
+        # Without autograd: recording it would call the user's saved-tensor hooks (MemoryMonitor's)
+        # from inside the compiler.
+        with mode, torch.no_grad():
+            value = node.target(*fake_args, **fake_kwargs)
     except Exception as error:  # shapes are a convenience for later passes, not a requirement
         log.debug("no fake value for %s: %s", node.name, error)
+        return
+    for tensor in _flatten([value]):
+        if needs_grad and isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            tensor.requires_grad_()
+    node.meta["example_value"] = value
 
 
 def _flatten(value: object) -> list[object]:

@@ -492,3 +492,27 @@ def test_q_and_k_cross_the_all_to_all_in_autocasts_dtype() -> None:
     assert len(inputs) == 6
     assert {example_value(n).dtype for n in inputs} == {torch.bfloat16}
     assert len(report.casts) == 4 and all(line.endswith("float32 -> torch.bfloat16") for line in report.casts)
+
+
+def test_rewriting_runs_no_saved_tensor_hooks(gloo_group: str) -> None:
+    """The pass computes fake values for the nodes it adds without autograd, so a user's saved-tensor
+    hooks (MemoryMonitor's) are not called while compiling, which would make them unusable."""
+    from lightning_autosp.compiler.backend import AutoSPBackend
+    from lightning_autosp.compiler.sp_pass import SPContext
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ids = torch.randint(0, VOCAB, (1, 16))
+    backend = AutoSPBackend(SPContext(SequenceShard.balanced(16, 1, 0), gloo_group), compiler="aot_eager")
+    packed_while_compiling = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            packed_while_compiling.append(tuple(tensor.shape))
+        return tensor
+
+    torch._dynamo.reset()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        torch.compile(lambda x: model(x).sum(), backend=backend, dynamic=False)(ids).backward()
+    assert backend.reports and backend.reports[0].all_to_alls > 0
+    assert packed_while_compiling == []
