@@ -155,6 +155,15 @@ CASES = {
         ignored_tail=(3, 11),
         strategy_kwargs=RING,
     ),
+    # the same under data_parallel="fsdp": parameters gathered per use, over all 4 ranks
+    "ring_llama_zigzag_fsdp": Case(
+        LlamaModule,
+        {"heads": 2, "kv_heads": 1},
+        seq_len=30,
+        sp_size=4,
+        ignored_tail=(3, 11),
+        strategy_kwargs={**RING, "data_parallel": "fsdp"},
+    ),
     "ring_llama_contiguous_all_ring": Case(
         LlamaModule,
         {"heads": 2, "kv_heads": 1},

@@ -41,6 +41,7 @@ RING_CASES = [
     "ring_gpt_window_all_ring",
     "ring_llama_zigzag",
     "ring_llama_contiguous_all_ring",
+    "ring_llama_zigzag_fsdp",
 ]
 # data_parallel="fsdp" (2 ranks; dp=2 x sp=2 runs in tests/distributed/test_multinode.py)
 FSDP_CASES = ["fsdp_gpt", "fsdp_gpt_per_step", "fsdp_llama", "fsdp_gpt_inductor", "fsdp_user_units"]
