@@ -130,8 +130,21 @@ CASES = {
     # Packed rows of 3 documents (7 + 11 + 7 tokens, shards of 13 + 12): attention must not cross them.
     "llama_packed": Case(PackedLlamaModule, seq_len=25, batch_size=1, documents=(7, 11, 7)),
     "gpt_document_mask": Case(DocumentMaskGPTModule, seq_len=25, documents=(7, 11, 7)),
+    "llama_packed_fsdp": Case(
+        PackedLlamaModule,
+        seq_len=25,
+        batch_size=1,
+        documents=(7, 11, 7),
+        strategy_kwargs={"data_parallel": "fsdp"},
+    ),
     # flash-attn (CPU kernels for its ops: tests/flash_stand_in.py): GQA 1 KV head over sp=2, window, softcap.
     "flash_gqa_window": Case(FlashGPTModule, {"kv_heads": 1, "window": 8, "softcap": 5.0}, seq_len=25),
+    "flash_gqa_window_fsdp": Case(
+        FlashGPTModule,
+        {"kv_heads": 1, "window": 8, "softcap": 5.0},
+        seq_len=25,
+        strategy_kwargs={"data_parallel": "fsdp"},
+    ),
     # sp=4 over 2 q heads: Ulysses 2 (auto) x ring 2, and all ring (ulysses_degree=1). Lengths do not
     # divide 2 x ring: uneven zigzag chunks; ignored labels; 1 KV head replicated to the Ulysses degree.
     "ring_gpt_contiguous": Case(

@@ -48,8 +48,8 @@ FSDP_CASES = ["fsdp_gpt", "fsdp_gpt_per_step", "fsdp_llama", "fsdp_gpt_inductor"
 # Chunked LM head + cross-entropy, 5 tokens a chunk (every other case chunks too, in one chunk)
 CHUNKED_LOSS_CASES = ["gpt_chunked_loss", "llama_chunked_loss"]
 # Packed rows of 3 documents (position_ids restart); flash-attn (its ops on CPU: tests/flash_stand_in.py)
-PACKED_CASES = ["llama_packed", "gpt_document_mask"]
-FLASH_CASES = ["flash_gqa_window", "flash_varlen_packed"]
+PACKED_CASES = ["llama_packed", "gpt_document_mask", "llama_packed_fsdp"]
+FLASH_CASES = ["flash_gqa_window", "flash_varlen_packed", "flash_gqa_window_fsdp"]
 
 
 def launch(ranks: int, cases: list[str], out: Path, timeout: int) -> dict[int, dict]:
