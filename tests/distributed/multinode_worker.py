@@ -92,6 +92,9 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     if dist.is_initialized():
         dist.barrier()
+        # Joined here rather than by the process group's destructor at interpreter exit, which can
+        # abort ("terminate called without an active exception") while gloo's threads still run.
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

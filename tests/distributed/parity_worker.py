@@ -346,6 +346,7 @@ def main() -> None:
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     flash_ops.close()
+    dist.destroy_process_group()  # gloo's threads joined now, not by a destructor at exit
 
 
 if __name__ == "__main__":
