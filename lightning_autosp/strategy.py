@@ -9,6 +9,7 @@ DDP (gradients averaged over all ranks; see Note [Loss over sequence shards] in
 
 from __future__ import annotations
 
+import atexit
 import functools
 import math
 import os
@@ -235,6 +236,10 @@ class AutoSPStrategy(DDPStrategy):
                 **self.loss_options,
             ).setup.sp_size
         super().setup_distributed()
+        # An undestroyed gloo group's threads can abort the process at interpreter exit
+        # (pytorch/pytorch#190489); Lightning destroys NCCL groups at exit, not gloo ones.
+        atexit.unregister(_destroy_process_group)  # once per process, however many Trainer runs
+        atexit.register(_destroy_process_group)
         self._device_mesh = build_dp_sp_mesh(
             self.root_device.type, self.world_size, self.sp_size, self._timeout
         )
@@ -512,6 +517,11 @@ class AutoSPStrategy(DDPStrategy):
             return output
 
         return run
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _ring_description(shard: SequenceShard) -> str:

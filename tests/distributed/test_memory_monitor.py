@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import csv
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -48,6 +50,19 @@ class TinyLM(L.LightningModule):
         return DataLoader(TokenDataset(64, 24), batch_size=4)
 
 
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class DestroyProcessGroupAtExit(L.Callback):
+    """Each spawned rank exits right after fit; an undestroyed gloo group can abort it there
+    (pytorch/pytorch#190489), which AutoSPStrategy prevents and plain DDPStrategy does not."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        atexit.register(_destroy_process_group)
+
+
 @pytest.mark.timeout(120)
 def test_memory_monitor_two_cpu_ranks(tmp_path: Path) -> None:
     trainer = L.Trainer(
@@ -55,7 +70,11 @@ def test_memory_monitor_two_cpu_ranks(tmp_path: Path) -> None:
         devices=2,
         strategy=DDPStrategy(process_group_backend="gloo", start_method="spawn"),
         max_steps=4,
-        callbacks=[MemoryMonitor(every_n_steps=2), SequenceThroughputMonitor(log_every_n_steps=1)],
+        callbacks=[
+            MemoryMonitor(every_n_steps=2),
+            SequenceThroughputMonitor(log_every_n_steps=1),
+            DestroyProcessGroupAtExit(),
+        ],
         logger=CSVLogger(tmp_path),
         log_every_n_steps=1,
         enable_checkpointing=False,
