@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from unittest import mock
@@ -108,12 +108,6 @@ CASES = {
         ignored_tail=(0, 7),
         strategy_kwargs={"data_parallel": "fsdp", "loss_chunk_tokens": 5},
     ),
-    "fsdp_gpt_per_step": Case(
-        GPTModule,
-        seq_len=25,
-        ignored_tail=(0, 7),
-        strategy_kwargs={"data_parallel": "fsdp", "fsdp_gather": "per_step", "loss_chunk_tokens": 5},
-    ),
     "fsdp_llama": Case(LlamaModule, {"heads": 4, "kv_heads": 2}, strategy_kwargs={"data_parallel": "fsdp"}),
     "fsdp_gpt_inductor": Case(
         GPTModule, seq_len=25, strategy_kwargs={"data_parallel": "fsdp", "compiler": "inductor"}
@@ -130,21 +124,8 @@ CASES = {
     # Packed rows of 3 documents (7 + 11 + 7 tokens, shards of 13 + 12): attention must not cross them.
     "llama_packed": Case(PackedLlamaModule, seq_len=25, batch_size=1, documents=(7, 11, 7)),
     "gpt_document_mask": Case(DocumentMaskGPTModule, seq_len=25, documents=(7, 11, 7)),
-    "llama_packed_fsdp": Case(
-        PackedLlamaModule,
-        seq_len=25,
-        batch_size=1,
-        documents=(7, 11, 7),
-        strategy_kwargs={"data_parallel": "fsdp"},
-    ),
     # flash-attn (CPU kernels for its ops: tests/flash_stand_in.py): GQA 1 KV head over sp=2, window, softcap.
     "flash_gqa_window": Case(FlashGPTModule, {"kv_heads": 1, "window": 8, "softcap": 5.0}, seq_len=25),
-    "flash_gqa_window_fsdp": Case(
-        FlashGPTModule,
-        {"kv_heads": 1, "window": 8, "softcap": 5.0},
-        seq_len=25,
-        strategy_kwargs={"data_parallel": "fsdp"},
-    ),
     # sp=4 over 2 q heads: Ulysses 2 (auto) x ring 2, and all ring (ulysses_degree=1). Lengths do not
     # divide 2 x ring: uneven zigzag chunks; ignored labels; 1 KV head replicated to the Ulysses degree.
     "ring_gpt_contiguous": Case(
@@ -168,15 +149,6 @@ CASES = {
         ignored_tail=(3, 11),
         strategy_kwargs=RING,
     ),
-    # the same under data_parallel="fsdp": parameters gathered per use, over all 4 ranks
-    "ring_llama_zigzag_fsdp": Case(
-        LlamaModule,
-        {"heads": 2, "kv_heads": 1},
-        seq_len=30,
-        sp_size=4,
-        ignored_tail=(3, 11),
-        strategy_kwargs={**RING, "data_parallel": "fsdp"},
-    ),
     "ring_llama_contiguous_all_ring": Case(
         LlamaModule,
         {"heads": 2, "kv_heads": 1},
@@ -191,6 +163,23 @@ CASES = {
         FlashGPTModule, {"varlen": True}, seq_len=25, batch_size=1, documents=(7, 11, 7)
     ),
 }
+
+
+def _with_strategy(name: str, **strategy_kwargs: object) -> Case:
+    """Case ``name`` with these strategy options added."""
+    case = CASES[name]
+    return replace(case, strategy_kwargs={**case.strategy_kwargs, **strategy_kwargs})
+
+
+# Cases above again under data_parallel="fsdp" (parameters gathered per use), or gathered per step.
+CASES.update(
+    {
+        "fsdp_gpt_per_step": _with_strategy("fsdp_gpt", fsdp_gather="per_step"),
+        "llama_packed_fsdp": _with_strategy("llama_packed", data_parallel="fsdp"),
+        "flash_gqa_window_fsdp": _with_strategy("flash_gqa_window", data_parallel="fsdp"),
+        "ring_llama_zigzag_fsdp": _with_strategy("ring_llama_zigzag", data_parallel="fsdp"),  # 4 ranks
+    }
+)
 
 
 def make_samples(case: Case, count: int) -> list[dict]:
