@@ -23,6 +23,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -237,9 +238,9 @@ class AutoSPStrategy(DDPStrategy):
             ).setup.sp_size
         super().setup_distributed()
         # An undestroyed gloo group's threads can abort the process at interpreter exit
-        # (pytorch/pytorch#190489); Lightning destroys NCCL groups at exit, not gloo ones.
-        atexit.unregister(_destroy_process_group)  # once per process, however many Trainer runs
-        atexit.register(_destroy_process_group)
+        # (pytorch/pytorch#190489); Lightning registers its exit handler for NCCL groups only.
+        atexit.unregister(_destroy_dist_connection)  # once per process, however many Trainer runs
+        atexit.register(_destroy_dist_connection)
         self._device_mesh = build_dp_sp_mesh(
             self.root_device.type, self.world_size, self.sp_size, self._timeout
         )
@@ -517,11 +518,6 @@ class AutoSPStrategy(DDPStrategy):
             return output
 
         return run
-
-
-def _destroy_process_group() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _ring_description(shard: SequenceShard) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -50,17 +50,12 @@ class TinyLM(L.LightningModule):
         return DataLoader(TokenDataset(64, 24), batch_size=4)
 
 
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 class DestroyProcessGroupAtExit(L.Callback):
     """Each spawned rank exits right after fit; an undestroyed gloo group can abort it there
     (pytorch/pytorch#190489), which AutoSPStrategy prevents and plain DDPStrategy does not."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        atexit.register(_destroy_process_group)
+        atexit.register(_destroy_dist_connection)
 
 
 @pytest.mark.timeout(120)
