@@ -106,8 +106,8 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, gather: FSDPGather = "per_
     checked: every parameter must be a DTensor spread over all ranks (``fully_shard``'s default mesh,
     or a 2-D one for HSDP), or gradients would not be summed over the sp ranks that each hold part of them.
     """
-    if any(isinstance(m, FSDPModule | _GatheringModule) for m in module.modules()):
-        check_user_sharding(module, mesh.size())  # the user's, or ours from an earlier Trainer run
+    if sharded_per_use(module) or any(isinstance(m, FSDPModule) for m in module.modules()):
+        check_user_sharding(module, mesh.size())  # ours from an earlier Trainer run, or the user's
     elif gather == "per_use":
         shard_parameters(module, mesh)
     else:
@@ -145,6 +145,11 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
                 sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
             submodule._parameters[name] = sharded[id(param)]
         submodule.__class__ = _class_gathering(type(submodule), names, gathered_classes)
+
+
+def sharded_per_use(module: nn.Module) -> bool:
+    """Whether :func:`shard_parameters` has sharded ``module`` (in an earlier Trainer run, say)."""
+    return any(isinstance(m, _GatheringModule) for m in module.modules())
 
 
 def gather_parameter(param: DTensor) -> Tensor:
@@ -205,7 +210,7 @@ def check_user_sharding(module: nn.Module, world_size: int) -> None:
             f"FSDP units {in_containers[:3]} sit in a module container; FSDP2's hooks are graph breaks, and "
             "one inside a loop over layers makes torch.compile skip that frame, which AutoSP reports as an "
             "error. Shard a submodule the model calls outside its loops, or leave the sharding to the "
-            "strategy (data_parallel='fsdp' shards the LightningModule as one unit)."
+            "strategy (data_parallel='fsdp' gathers each parameter where the compiled step uses it)."
         )
 
 
@@ -218,7 +223,7 @@ def setup_fully_sharded(
     already; moving it again would swap DTensor parameters that compiled code still refers to.
     """
     strategy.accelerator.setup(trainer)
-    if not any(isinstance(m, _GatheringModule) for m in strategy.model.modules()):
+    if not sharded_per_use(strategy.model):
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
         strategy.model_to_device()
     shard_module(strategy.model, mesh, gather)

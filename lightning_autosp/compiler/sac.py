@@ -391,7 +391,7 @@ class SACReport:
     backward_collectives: int
     reason: str = ""
     parameter_gathers: int = 0  # all-gathers of sharded parameters backward runs again (data_parallel="fsdp")
-    gathers_in_compute_dtype: int = 0  # parameters all-gathered after autocast's cast, not before
+    gathers_in_compute_dtype: int = 0  # parameters cast to autocast's dtype before their all-gather
 
     def line(self) -> str:
         share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
