@@ -253,14 +253,29 @@ def collective_bytes(profiler: Any) -> dict[str, int]:
     """Bytes each rank passed to each kind of collective (``all_gather``, ...) in a finished profile
     (recorded with ``record_shapes=True``)."""
     totals: Counter = Counter()
-    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
+    for event in profile_events(profiler):
         record = _collective_record(event, None)
         if record:
             totals[record[1]] += record[2]
-        stack.extend(event.children)
     return dict(totals)
+
+
+def profile_events(profiler: Any) -> Iterator[Any]:
+    """Every event of a finished profile, nested ones included."""
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        yield event
+        stack.extend(event.children)
+
+
+def _cpu_allocation(event: Any) -> tuple[int, int, int] | None:
+    """``(time, size, address)`` of a CPU allocator event (a free has a negative size), else None."""
+    from torch._C._profiler import _EventType
+
+    if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+        return event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr
+    return None
 
 
 def _itemsize(dtype: Any) -> int:
@@ -285,14 +300,7 @@ def bytes_held(allocations: Iterable[tuple[int, int, int]]) -> Iterator[tuple[in
 
 def cpu_allocation_peak(profiler: Any) -> int:
     """High-water mark of the CPU allocator's bytes allocated (and still held) in a finished profile."""
-    from torch._C._profiler import _EventType
-
-    allocations, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            allocations.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
-        stack.extend(event.children)
+    allocations = [a for a in map(_cpu_allocation, profile_events(profiler)) if a is not None]
     return max((held for _, held in bytes_held(allocations)), default=0)
 
 
@@ -307,7 +315,6 @@ def profiled_step(forward: Forward, backward: Backward = _plain_backward) -> dic
     ``nccl:all_reduce``, ...) with the bytes of the tensor each rank passes in, split at the start of
     backward.
     """
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
@@ -316,16 +323,14 @@ def profiled_step(forward: Forward, backward: Backward = _plain_backward) -> dic
         with record_function(BACKWARD_MARK):
             backward(loss)
     allocations, ops, backward_start = [], [], None
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            allocations.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
+    for event in profile_events(prof):
+        allocation = _cpu_allocation(event)
+        if allocation is not None:
+            allocations.append(allocation)
         elif event.name == BACKWARD_MARK:
             backward_start = event.start_time_ns
         elif _COLLECTIVE.match(event.name):
             ops.append(event)
-        stack.extend(event.children)
     peak = end_of_forward = 0
     for when, held in bytes_held(allocations):
         peak = max(peak, held)
