@@ -281,8 +281,11 @@ class _Stop(Exception):
 @pytest.fixture
 def _own_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0), raising=False)
-    for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+    # setenv first so that teardown removes what the Trainer sets (a LOCAL_RANK left behind makes later
+    # subprocesses, e.g. the benchmark smoke tests, think they are torchrun workers)
+    for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     initialized = dist.is_initialized()
     yield
     if dist.is_initialized() and not initialized:
