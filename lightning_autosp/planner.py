@@ -68,6 +68,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_autosp.compiler.backend import Compiler
+from lightning_autosp.fsdp import DataParallel, FSDPGather
 
 __all__ = [
     "LLAMA_3_1_70B",
@@ -86,8 +87,6 @@ __all__ = [
 ]
 
 GiB = 2**30
-DataParallel = Literal["ddp", "fsdp"]
-FSDPGather = Literal["per_use", "per_step"]
 OptimizerImpl = Literal["foreach", "for_loop", "fused"]
 _PRECISIONS = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 # A chunk of the chunked loss holds at most this many logits (compiler/chunked_loss.py).
