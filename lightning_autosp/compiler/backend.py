@@ -13,6 +13,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_autosp.compiler.chunked_loss import ChunkedLossReport, chunked_loss_pass
+from lightning_autosp.compiler.ordering import CollectiveOrder
 from lightning_autosp.compiler.sac import SACReport, SequenceAwarePartitioner
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
 
@@ -95,7 +96,11 @@ class AutoSPBackend:
             self.loss_reports.append(ChunkedLossReport())
             chunked_loss_pass(gm, self.loss_reports[-1], chunk_tokens=self.loss_chunk_tokens)
         if self.compiler == "inductor":
-            patches = {"custom_partitioner_fn": self.partitioner}
+            # CollectiveOrder: Note [Collective order] (ranks with uneven shards compile different sizes).
+            patches = {
+                "custom_partitioner_fn": self.partitioner,
+                "post_grad_custom_post_pass": CollectiveOrder(),
+            }
             return compile_fx(gm, example_inputs, config_patches=patches)
         return aot_autograd(
             fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner

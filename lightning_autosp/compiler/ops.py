@@ -20,6 +20,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+_COLLECTIVE_NAMESPACES = ("autosp", "_c10d_functional", "c10d_functional")
+
+
+def is_collective(node: object, *, waits: bool = True) -> bool:
+    """Whether an ATen-level graph node talks to other ranks: our ops (their namespace is ``autosp``) and
+    functional collectives; ``waits=False`` leaves out ``wait_tensor``, which only waits for one."""
+    packet = getattr(getattr(node, "target", None), "_overloadpacket", None)
+    namespace, _, name = getattr(packet, "_qualified_op_name", "").partition("::")
+    return namespace in _COLLECTIVE_NAMESPACES and (waits or not name.startswith("wait"))
+
 
 def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)

@@ -30,6 +30,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
+from lightning_autosp.compiler.ops import is_collective
+
 log = logging.getLogger(__name__)
 
 SACMode = Literal["all", "auto", "off"]
@@ -54,13 +56,8 @@ def _op_name(node: fx.Node) -> str:
     return getattr(overload, "__name__", "") if overload is not None else ""
 
 
-def _is_collective(node: fx.Node) -> bool:
-    namespace = getattr(getattr(node.target, "_overloadpacket", None), "_qualified_op_name", "")
-    return namespace.startswith(("autosp::", "_c10d_functional::", "c10d_functional::"))
-
-
 def _is_parameter_all_gather(node: fx.Node) -> bool:
-    return _op_name(node) == "all_gather_into_tensor" and _is_collective(node)
+    return _op_name(node) == "all_gather_into_tensor" and is_collective(node)
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -169,7 +166,7 @@ def _costly_to_rebuild(node: fx.Node) -> bool:
 
 def recompute_policy(node: fx.Node) -> CheckpointPolicy:
     """Save attention, collectives and random ops; let everything else be recomputed."""
-    if _op_name(node) in _ATTENTION_OPS or _is_collective(node) or _is_random(node):
+    if _op_name(node) in _ATTENTION_OPS or is_collective(node) or _is_random(node):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -420,7 +417,7 @@ def summarize_partition(
     recomputed = [n for n in recomputed if n.target is not operator.getitem]
     forward_flops = sum(node_flops(n) for n in forward.graph.nodes if n.op == "call_function")
     recomputed_flops = sum(node_flops(n) for n in recomputed)
-    collectives = sum(1 for n in backward.graph.nodes if n.op == "call_function" and _is_collective(n))
+    collectives = sum(1 for n in backward.graph.nodes if n.op == "call_function" and is_collective(n))
     gathers = sum(1 for n in backward.graph.nodes if n.op == "call_function" and _is_parameter_all_gather(n))
     return SACReport(
         mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, collectives, reason, gathers

@@ -88,6 +88,9 @@ CASES = {
         strategy_kwargs={"data_parallel": "fsdp"},
     ),
     "gpt_inductor": Case(GPTModule, {"mask": "triu"}, seq_len=25, strategy_kwargs={"compiler": "inductor"}),
+    "gpt_len61_b1_inductor": Case(
+        GPTModule, seq_len=61, batch_size=1, strategy_kwargs={"compiler": "inductor"}
+    ),
     # Chunked LM head + loss, 5 tokens a chunk: uneven shards (31 + 30), ragged last chunks, ignored labels.
     "gpt_chunked_loss": Case(
         GPTModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"loss_chunk_tokens": 5}
