@@ -146,6 +146,8 @@ class Ours(Method):
             batch, shard = shard_batch(batch, world=ctx.world, rank=ctx.rank)
             context = SPContext(shard, ctx.group.group_name)
         backend = AutoSPBackend(context, compiler=ctx.compiler, sac=self.sac)
+        if context is not None:
+            backend.mark_sharded(batch["input_ids"])
         self.backends.append(backend)
         fn = torch.compile(self.loss, backend=backend, dynamic=False)
 

@@ -161,6 +161,8 @@ def measure(
 
     torch._dynamo.reset()
     backend = AutoSPBackend(context, compiler=compiler, sac=setup.sac, chunked_loss=setup.chunked_loss)
+    if context is not None:
+        backend.mark_sharded(batch["input_ids"])
     compiled = torch.compile(step, backend=backend, dynamic=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

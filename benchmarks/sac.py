@@ -222,6 +222,7 @@ def run_config(args, model, loss_step, seq_len: int, methods: list[str], checks:
     fns, backends = {}, {}
     for method in methods:
         backend = AutoSPBackend(context, compiler=args.compiler, sac=method == "sac")
+        backend.mark_sharded(batch["input_ids"])
         fn = torch.compile(loss_step, backend=backend, dynamic=False)
         swap = deepspeed_sac() if method == "ds_sac" else contextlib.nullcontext()
         start = time.perf_counter()

@@ -25,7 +25,7 @@ Note [Ring layouts]
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -247,12 +247,14 @@ def shard_batch(
     sequence_keys: Sequence[str] | None = None,
     ring_degree: int = 1,
     ring_layout: RingLayout = "zigzag",
+    on_shard: Callable[[Tensor], None] | None = None,
 ) -> tuple[Any, SequenceShard]:
     """Keep this rank's slice of every tensor that carries the sequence.
 
     A tensor carries the sequence when its ``seq_dim`` has the global sequence length (the length of
     ``input_ids``, or of ``sequence_keys``). Shapes: [B, S, ...] -> [B, S_r, ...]. With
-    ``ring_degree`` > 1 the slice follows ``ring_layout`` (Note [Ring layouts]).
+    ``ring_degree`` > 1 the slice follows ``ring_layout`` (Note [Ring layouts]). ``on_shard`` is called
+    with every slice kept (the strategy tags them for the compiler).
     """
     global_len = find_sequence_length(batch, seq_dim, sequence_keys)
     shard = SequenceShard.for_ring(global_len, world, rank, ring_degree, ring_layout)
@@ -260,7 +262,10 @@ def shard_batch(
     def narrow(tensor: Tensor) -> Tensor:
         if tensor.dim() > seq_dim and tensor.shape[seq_dim] == global_len:
             pieces = [tensor.narrow(seq_dim, start, end - start) for start, end in shard.ranges]
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=seq_dim)
+            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=seq_dim)
+            if on_shard is not None:
+                on_shard(local)
+            return local
         return tensor
 
     return apply_to_collection(batch, Tensor, narrow), shard

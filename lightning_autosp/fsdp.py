@@ -27,7 +27,10 @@ Note [FSDP units under a compiled step]
     so the in-step peak holds the full parameters and gradients; between steps, and for the optimizer
     state always, each rank holds 1/world. ``fsdp_gather="per_use"`` has no hooks: the gathers are ops
     of the graph (:func:`shard_parameters`). Units the user shards in ``configure_model`` are kept
-    (either option), and work when the model calls them outside loops (e.g. the LM head; tested).
+    (either option), and work when the compiled step calls them outside loops and they run compiled
+    (the whole model; tested). A unit whose forward runs eagerly (torch's own ``nn.Linear`` as the LM
+    head: FSDP2 calls it through its hooks, and Dynamo does not compile torch's modules as frames of
+    their own) computes on sequence data outside every graph, and the next graph refuses its output.
 
 Checkpoints follow Lightning's ``ModelParallelStrategy``: a full state dict assembled on rank 0 (a
 plain Lightning checkpoint, interchangeable with ``data_parallel="ddp"`` and loadable on one device),

@@ -42,7 +42,8 @@ from lightning_autosp.compiler.backend import (
     check_backend_options,
     frames_not_compiled,
 )
-from lightning_autosp.compiler.sp_pass import SPContext
+from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.layout import SequenceTags
 from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, shard_batch
 from lightning_autosp.mesh import (
     RING,
@@ -170,6 +171,7 @@ class AutoSPStrategy(DDPStrategy):
         self.sequence_shard: SequenceShard | None = None
         self._device_mesh: DeviceMesh | None = None
         self._backends: dict[SequenceShard | None, AutoSPBackend] = {}
+        self._sequence_tags = SequenceTags()
         self._original_steps: dict[str, Callable] = {}
         fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs, fsdp_gather)
         self.data_parallel: fsdp.DataParallel = data_parallel
@@ -257,7 +259,8 @@ class AutoSPStrategy(DDPStrategy):
         if self.sp_size == 1:
             self.sequence_shard = None
             return batch
-        batch, self.sequence_shard = shard_batch(
+        sharded: list[torch.Tensor] = []
+        batch, shard = shard_batch(
             batch,
             world=self.sp_size,
             rank=self.sp_rank,
@@ -265,7 +268,18 @@ class AutoSPStrategy(DDPStrategy):
             sequence_keys=self.sequence_keys,
             ring_degree=self.ring_degree,
             ring_layout=self.ring_layout,
+            on_shard=sharded.append,
         )
+        if min(shard.seq_lens) < 2:  # every rank has the same lengths: all raise, before any collective
+            raise ValueError(
+                f"The sequence has {shard.global_len} tokens over sp_size={self.sp_size} ranks "
+                f"({list(shard.seq_lens)} each): the compiler needs at least 2 tokens per rank. Use "
+                "sequences "
+                f"of at least {2 * self.sp_size} tokens or a smaller sp_size."
+            )
+        # The compiler reads which tensors hold sequence shards from these tags, not from their sizes.
+        self._sequence_tags.mark_batch(batch, sharded, self.seq_dim, shard.global_len)
+        self.sequence_shard = shard
         return batch
 
     @override
@@ -459,7 +473,7 @@ class AutoSPStrategy(DDPStrategy):
                 )
             )
             self._backends[shard] = AutoSPBackend(
-                context, compiler=self.compiler, sac=self.sac, **self.loss_options
+                context, tags=self._sequence_tags, compiler=self.compiler, sac=self.sac, **self.loss_options
             )
         return self._backends[shard]
 

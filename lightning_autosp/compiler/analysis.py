@@ -1,259 +1,385 @@
-"""Read a Dynamo (Torch-IR) graph: attention calls, sequence-sharded values and their sequence dims.
+"""The sequence-layout analysis: every value of a graph gets a layout, every op on the sequence a rule.
 
-The SP pass works on the graph Dynamo hands a backend, where attention is still one node and every
-node carries ``meta["example_value"]`` (a fake tensor with this rank's local shapes). Nothing here
-changes a graph.
+Note [Proving a graph exact]
+    Each rank's graph is traced on its own shard of the sequence, with the shard length as a symbol
+    (Note [Symbolic sequence lengths] in ``symbols.py``). The analysis walks the graph once, in order,
+    and gives every value a layout (Note [Sequence layouts] in ``layout.py``) from its inputs' layouts
+    and the rule of its op (``rules.py``), like DTensor's sharding propagation. A rule does one of three
+    things:
+
+    - propagate: the op acts on other dims (pointwise, linear, norms over the hidden dim, softmax over
+      the vocabulary, reshapes that keep the sequence dim), so the local result is this rank's part
+      of the single-device result;
+    - plan a rewrite that makes it so: attention (all-to-all), positions (``arange``, a table sliced
+      by the length), slices and pads along the sequence, reductions over it (a sum becomes
+      ``PARTIAL``; a mean, a sum over a global count), losses, and token data (integer inputs such as
+      labels or positions) that an op mixes along the sequence (a ``cumsum``, ``roll``, ``diff``),
+      which is computed for the whole sequence from the gathered inputs, then cut to this rank's part;
+    - refuse: anything else that reads a sequence-sharded value along the sequence, and any op
+      without a rule. The error names the op, the user's source line and the fix.
+
+    Nothing is rewritten before the whole graph has been proven; then the rewrite families
+    (``sp_pass.py``) change exactly what the plan lists.
 """
 
 from __future__ import annotations
 
-import inspect
-import operator
-from collections.abc import Iterable
-from dataclasses import dataclass
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import sympy
 import torch
-import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.data import SequenceShard
+from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name, source_line
+from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag
 
-_SDPA_SIGNATURE = inspect.signature(
-    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: (
-        None
-    )
-)
-_CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
-# Dynamo records ``F.pad`` as the builtin it calls.
-PAD_TARGETS = (F.pad, torch._C._nn.pad)
-
-
-@dataclass
-class AttentionMatch:
-    """One attention call. ``layout`` names the q/k/v dims: "BHSD" (SDPA) or "BSHD" (flash-attn)."""
-
-    node: fx.Node
-    query: fx.Node
-    key: fx.Node
-    value: fx.Node
-    attn_mask: fx.Node | None
-    layout: str
-
-    @property
-    def head_dim(self) -> int:
-        return self.layout.index("H")
-
-    @property
-    def seq_dim(self) -> int:
-        return self.layout.index("S")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SeqLayout:
-    """A value that holds this rank's shard of a sequence-derived tensor of ``global_len`` positions."""
+class Refusal:
+    node: fx.Node | None
+    reason: str
+    fix: str
+    where: str | None = None  # instead of the node's op and source line
 
-    dim: int
-    global_len: int
-
-
-def example_value(node: object) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node):
-        return None
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return value if isinstance(value, torch.Tensor) else None
+    def __str__(self) -> str:
+        where = self.where or f"{op_name(self.node)} at {source_line(self.node)}"
+        return f"- {where}: {self.reason}. {self.fix}"
 
 
-def first_tensor_value(node: object) -> torch.Tensor | None:
-    """The example value of a node, or of the first tensor of a tuple-valued node (split, chunk)."""
-    value = example_value(node)
-    if value is not None or not isinstance(node, fx.Node):
-        return value
-    items = node.meta.get("example_value", node.meta.get("val"))
-    if isinstance(items, (tuple, list)):
-        return next((item for item in items if isinstance(item, torch.Tensor)), None)
-    return None
+@dataclass
+class Plan:
+    """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
+
+    attention: list[fx.Node] = field(default_factory=list)  # SDPA / flash-attn calls
+    positions: list[fx.Node] = field(default_factory=list)  # arange(S_r) -> this rank's positions
+    tables: list[fx.Node] = field(default_factory=list)  # table[:S_r] -> rows at this rank's positions
+    slices: list[fx.Node] = field(default_factory=list)  # slices / narrows / right pads along the sequence
+    recompute: list[fx.Node] = field(default_factory=list)  # token data mixed along the sequence
+    reductions: list[fx.Node] = field(default_factory=list)  # means over the sequence -> sum / global count
+    extrema: list[fx.Node] = field(default_factory=list)  # amax / amin over the sequence -> all-reduce
+    losses: list[fx.Node] = field(default_factory=list)  # cross_entropy / nll_loss mean -> global mean
+    materialize: dict[fx.Node, None] = field(default_factory=dict)  # PARTIAL values made whole
+    value_sizes: dict[tuple[fx.Node, fx.Node], None] = field(default_factory=dict)  # (user, size) as values
+    global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
 
 
-def bind(node: fx.Node, signature: inspect.Signature) -> dict[str, object]:
-    """The node's call arguments by parameter name, defaults filled in."""
-    args = node.args[1:] if node.op == "call_method" else node.args
-    bound = signature.bind(*args, **node.kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+class Analysis:
+    """Layouts and a plan for one graph (Note [Proving a graph exact]).
 
+    Attributes the rules read and write:
+        layouts: node -> Layout (or a tuple of them, for ops returning several tensors).
+        sizes: node -> the expression of an int or float computed from a sequence length.
+        token_data: nodes computed without parameters or gradients (from the batch's per-token inputs,
+            sizes and constants): cheap to recompute for the whole sequence.
+        lengths: each sequence symbol -> its global value; ``local_lengths``: -> this rank's.
+    """
 
-def is_sdpa(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is F.scaled_dot_product_attention
+    def __init__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[object], context: SPContext, tags: SequenceTags
+    ) -> None:
+        from lightning_autosp.compiler.flash import find_flash_attention
+        from lightning_autosp.compiler.rules import RULES  # the table builds on this module's API
 
+        self.gm, self.context, self.tags, self.rules = gm, context, tags, RULES
+        self.flash_matches = {match.node: match for match in find_flash_attention(gm)}
+        self.example_inputs = list(example_inputs)
+        self.layouts: dict[fx.Node, object] = {}
+        self.sizes: dict[fx.Node, sympy.Expr | tuple[sympy.Expr, ...]] = {}
+        self.token_data: set[fx.Node] = set()
+        self.plan = Plan()
+        self.refusals: list[Refusal] = []
+        self.lengths: dict[sympy.Symbol, int] = {}
+        self.local_lengths: dict[sympy.Symbol, int] = {}
+        self.input_tags: dict[fx.Node, Tag] = {}
+        self.output_tags: list[Tag | None] = []
+        self.output_nodes: list[object] = []
+        self._shape_uses: set[fx.Node] = set()
 
-def is_cross_entropy(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is F.cross_entropy
+    # ---------------------------------------------------------------------------------------------
+    # running
 
+    def run(self) -> Analysis:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for node, example in zip(placeholders, self.example_inputs):
+            self._classify_input(node, example)
+        self._solve_lengths(placeholders)
+        for node in self.gm.graph.nodes:
+            if node.op in ("call_function", "call_method"):
+                self._visit(node)
+            elif node.op == "get_attr":
+                self.layouts[node] = REPLICATE
+            elif node.op == "output":
+                self._visit_output(node)
+        return self
 
-def find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
-    """Every SDPA call in the graph, with its q/k/v/mask inputs."""
-    matches = []
-    for node in gm.graph.nodes:
-        if is_sdpa(node):
-            args = bind(node, _SDPA_SIGNATURE)
-            matches.append(
-                AttentionMatch(node, args["query"], args["key"], args["value"], args["attn_mask"], "BHSD")
+    def check_guards(self, shape_env: object) -> None:
+        """Refuse branches the model took on this rank's length that it would not take on the whole
+        sequence (Note [Symbolic sequence lengths])."""
+        for guard, where in symbols.broken_guards(shape_env, self.lengths):
+            self.refusals.append(
+                Refusal(
+                    None,
+                    f"the model branched on the sequence length ({guard}): that holds for this rank's "
+                    f"{self.context.shard.local_len} tokens but not for the whole sequence of "
+                    f"{self.context.shard.global_len}, which the single-device step would see",
+                    "Make the branch independent of the length, or use longer sequences",
+                    where=where,
+                )
             )
-    return matches
+
+    def raise_refusals(self) -> None:
+        if self.refusals:
+            listed = "\n".join(dict.fromkeys(str(refusal) for refusal in self.refusals))
+            raise NotImplementedError(
+                "The SP pass cannot prove this training step exact under sequence parallelism, so it refuses "
+                f"to run it (it never trains silently wrong):\n{listed}"
+            )
+
+    # ---------------------------------------------------------------------------------------------
+    # the API rules use
+
+    def layout(self, arg: object) -> Layout:
+        """The layout of an argument: a node's, or REPLICATE for a constant."""
+        if not isinstance(arg, fx.Node):
+            return REPLICATE
+        layout = self.layouts.get(arg, REPLICATE)
+        return layout if isinstance(layout, Layout) else REPLICATE
+
+    def is_sequence_value(self, arg: object) -> bool:
+        """Whether ``arg`` is anything but a replicated value: a sequence layout or a sequence size."""
+        if not isinstance(arg, fx.Node):
+            return False
+        layout = self.layouts.get(arg, REPLICATE)
+        if isinstance(layout, tuple):
+            return any(isinstance(item, Layout) and item != REPLICATE for item in layout)
+        return arg in self.sizes or layout != REPLICATE
+
+    def size_expr(self, arg: object) -> sympy.Expr | None:
+        """The expression of an int argument (a node computed from a length, or a constant)."""
+        if isinstance(arg, fx.Node):
+            expr = self.sizes.get(arg)
+            return expr if isinstance(expr, sympy.Expr) else symbols.raw_expr(meta_value(arg))
+        return symbols.raw_expr(arg)
+
+    def shape(self, node: fx.Node) -> tuple[sympy.Expr, ...] | None:
+        """The traced sizes of a tensor node, as expressions."""
+        value = meta_value(node)
+        if isinstance(value, torch.Tensor):
+            return symbols.shape_exprs(value)
+        return None
+
+    def has_sequence_symbol(self, expr: object) -> bool:
+        if isinstance(expr, tuple):
+            return any(self.has_sequence_symbol(e) for e in expr)
+        return bool(symbols.symbols_of(expr) & set(self.lengths))
+
+    def global_value(self, expr: sympy.Expr) -> int:
+        return symbols.evaluate(expr, self.lengths)
+
+    def shape_use(self, *args: object) -> None:
+        """Declare size arguments of the op being visited as shapes (not values)."""
+        for arg in flatten(list(args)):
+            if isinstance(arg, fx.Node) and arg in self.sizes:
+                self._shape_uses.add(arg)
+
+    def refuse(self, node: fx.Node, reason: str, fix: str) -> Layout:
+        self.refusals.append(Refusal(node, reason, fix))
+        return REFUSED
+
+    def mixes(self, node: fx.Node, what: str, out: object, fix: str) -> object:
+        """``node`` mixes values along the sequence: token data is recomputed for the whole sequence,
+        anything else (activations, which need gradients) is refused."""
+        layouts = out if isinstance(out, tuple) else (out,)
+        if node in self.token_data and not any(isinstance(x, Layout) and x.flat for x in layouts):
+            self.plan.recompute.append(node)
+            return out
+        self.refuse(node, f"{what} along the sequence, over activations (values with gradients)", fix)
+        return out
+
+    def materialize(self, arg: object) -> None:
+        """A consumer needs the whole value of a PARTIAL argument: one all-reduce makes it REPLICATE."""
+        if isinstance(arg, fx.Node) and self.layout(arg) == PARTIAL:
+            self.plan.materialize[arg] = None
+
+    # ---------------------------------------------------------------------------------------------
+    # inputs and outputs
+
+    def _classify_input(self, node: fx.Node, example: object) -> None:
+        value = meta_value(node)
+        if isinstance(value, (torch.SymInt, torch.SymFloat)):
+            self.sizes[node] = symbols.raw_expr(value)  # a sequence size if its symbol is one (below)
+            self.token_data.add(node)
+            return
+        # DDP's buckets hand a graph fakes of its inputs: the tag is on Dynamo's own fake (the placeholder's
+        # traced value), which every bucket of one trace shares.
+        grapharg = node.meta.get("grapharg")
+        real = getattr(grapharg, "example", None) if grapharg is not None else None
+        tag = self.tags.get(example) or self.tags.get(real) or self.tags.get(value)
+        if tag is not None and isinstance(value, torch.Tensor):
+            self.tags.mark(value, tag)
+        if tag is None:
+            self.layouts[node] = REPLICATE
+            if (
+                isinstance(value, torch.Tensor)
+                and not value.requires_grad
+                and not _is_trainable(node, example)
+            ):
+                self.token_data.add(node)
+            self._check_untagged_input(node, example)
+            return
+        self.input_tags[node] = tag
+        self.layouts[node] = tag.layout
+        if isinstance(value, torch.Tensor) and not value.requires_grad:
+            self.token_data.add(node)
+
+    def _check_untagged_input(self, node: fx.Node, example: object) -> None:
+        """A tensor computed outside every compiled graph with a dim of a shard's length may hold sequence
+        data that eager code computed without SP; the pass cannot tell, so it refuses. So does an untagged
+        input with a symbolic dim: only sequence dims are traced as symbols."""
+        if _is_parameter(node, example) or not isinstance(example, torch.Tensor):
+            return
+        lengths = set(self.context.shard.seq_lens) - {1}
+        traced = meta_value(node)
+        symbolic = isinstance(traced, torch.Tensor) and any(
+            symbols.symbols_of(e) for e in symbols.shape_exprs(traced)
+        )
+        if symbolic or any(size in lengths for size in example.shape if isinstance(size, int)):
+            self.refuse(
+                node,
+                f"the graph input {node.name} (shape {tuple(example.shape)}) was computed outside the "
+                "compiled "
+                "graphs (by code that ran eagerly: a frame Dynamo skipped after a graph break, or a module "
+                "called through hooks, such as an FSDP unit the model shards itself) and has a dim "
+                "of a shard's "
+                "length, so it may hold sequence data computed without SP",
+                "Remove the graph break before it (TORCH_LOGS=graph_breaks shows where); shard with "
+                "AutoSPStrategy(data_parallel='fsdp') instead of fully_shard on submodules; or pass the "
+                "tensor in the batch",
+            )
+
+    def _solve_lengths(self, placeholders: list[fx.Node]) -> None:
+        """Each sequence symbol's global and local value, from the tagged inputs' sequence dims."""
+        shard = self.context.shard
+        for node, tag in self.input_tags.items():
+            shape = self.shape(node)
+            if shape is None or not tag.layout.is_shard:
+                continue
+            for dim, global_size in zip(tag.layout.dims, tag.global_sizes):
+                expr = shape[dim]
+                free = symbols.symbols_of(expr)
+                if len(free) != 1:
+                    if not free:
+                        self.refuse(
+                            node,
+                            f"the sequence dim {dim} of {node.name} was specialized to the constant {expr} "
+                            "while tracing (e.g. int(x.size(1)), a Python loop over the length)",
+                            "Keep sequence lengths symbolic: use sizes as tensors' shapes, not as "
+                            "Python ints",
+                        )
+                    continue
+                (symbol,) = free
+                solutions = [s for s in sympy.solve(sympy.Eq(expr, global_size), symbol) if s.is_integer]
+                if solutions:
+                    self.lengths.setdefault(symbol, int(solutions[0]))
+        for symbol, value in self.lengths.items():
+            self.local_lengths[symbol] = len(shard.positions(value))
+        # Sizes of other symbols (there are none unless something else was marked dynamic) are constants.
+        self.sizes = {n: e for n, e in self.sizes.items() if self.has_sequence_symbol(e)}
+
+    def _visit_output(self, node: fx.Node) -> None:
+        self.output_nodes = flatten(list(node.args))
+        for value in self.output_nodes:
+            if not isinstance(value, fx.Node):
+                self.output_tags.append(None)
+                continue
+            layout = self.layout(value)
+            self.materialize(value)
+            if layout == PARTIAL:
+                layout = REPLICATE
+            self.output_tags.append(self._tag(value, layout))
+
+    def _tag(self, node: fx.Node, layout: Layout) -> Tag:
+        shape = self.shape(node)
+        if layout.kind not in ("shard", "global") or shape is None:
+            return Tag(layout)
+        return Tag(layout, tuple(self.global_value(shape[d]) for d in layout.dims))
+
+    # ---------------------------------------------------------------------------------------------
+    # one node
+
+    def _visit(self, node: fx.Node) -> None:
+        value = meta_value(node)
+        args = flatten([list(node.args), dict(node.kwargs)])
+        self._inherit_token_data(node, args)
+        if _is_scalar(value) or _is_shape(value):
+            exprs = tuple(symbols.raw_expr(v) for v in value) if _is_shape(value) else symbols.raw_expr(value)
+            if self.has_sequence_symbol(exprs):
+                self.sizes[node] = exprs
+            self.layouts[node] = REPLICATE
+            return
+        if not any(self.is_sequence_value(a) for a in args):
+            self.layouts[node] = REPLICATE
+            return
+        if any(isinstance(a, fx.Node) and self.layouts.get(a) == REFUSED for a in args):
+            self.layouts[node] = REFUSED
+            return
+        self._shape_uses = set()
+        rule = self.rules.get(op_name(node))
+        if rule is None:
+            self.layouts[node] = self.refuse(
+                node,
+                "no rule says how this op treats the sequence dim",
+                "Write the step with ops the SP pass knows (README: What the SP pass rewrites and "
+                "refuses), or "
+                "open an issue with this op",
+            )
+            return
+        self.layouts[node] = rule(self, node)
+        for arg in args:  # every sequence size not used as a shape is used as a value
+            if isinstance(arg, fx.Node) and arg in self.sizes and arg not in self._shape_uses:
+                self.plan.value_sizes[(node, arg)] = None
+
+    def _inherit_token_data(self, node: fx.Node, args: list[object]) -> None:
+        """Token data: no gradient, and computed from token data only (no trainable parameter)."""
+        requires_grad = any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in flatten([meta_value(node)])
+        )
+        inputs = [a for a in args if isinstance(a, fx.Node)]
+        if not requires_grad and all(a in self.token_data for a in inputs):
+            self.token_data.add(node)
 
 
-def find_manual_attention(gm: fx.GraphModule, seq_len: int) -> list[fx.Node]:
-    """Softmax over a [..., seq_len, seq_len] score matrix: attention written by hand."""
-    found = []
-    for node in gm.graph.nodes:
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        value = example_value(node)
-        is_square = value is not None and value.dim() >= 2 and tuple(value.shape[-2:]) == (seq_len, seq_len)
-        if name in ("softmax", "_softmax") and is_square:
-            found.append(node)
-    return found
+def _is_scalar(value: object) -> bool:
+    return isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool)
 
 
-def is_parameter_input(node: fx.Node, example: object) -> bool:
+def _is_shape(value: object) -> bool:
+    return (
+        isinstance(value, (tuple, list, torch.Size))
+        and len(value) > 0
+        and all(isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) for v in value)
+    )
+
+
+def _is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(meta_value(node), torch.Tensor)
+
+
+def _is_trainable(node: fx.Node, example: object) -> bool:
+    return isinstance(example, torch.nn.Parameter) and example.requires_grad
+
+
+def _is_parameter(node: fx.Node, example: object) -> bool:
     """Parameters and buffers lifted into the graph as inputs are replicated, never sharded."""
     if isinstance(example, torch.nn.Parameter):
         return True
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
+    source = getattr(node.meta.get("grapharg"), "source", None)
     name = getattr(source, "name", "")
     name = name() if callable(name) else str(name)  # a method before torch 2.10, a property since
     return "_parameters" in name or "_buffers" in name
-
-
-def non_sequence_sizes(sharded: dict[fx.Node, SeqLayout]) -> set[int]:
-    """Sizes of the sharded inputs' other dims (the batch size): a sequence length equal to one of
-    them cannot be told apart from it by value."""
-    return {
-        size
-        for node, layout in sharded.items()
-        for dim, size in enumerate(example_value(node).shape)
-        if dim != layout.dim
-    }
-
-
-def find_sharded_inputs(
-    gm: fx.GraphModule, example_inputs: Iterable[object], shard: SequenceShard, seq_dim: int
-) -> dict[fx.Node, SeqLayout]:
-    """Graph inputs that carry this rank's sequence shard.
-
-    A graph input is sharded when it is not a parameter or buffer and its ``seq_dim`` (else its only
-    dim) has this rank's shard length. Inputs of a sub-graph (after a graph break or a DDP split) are
-    found the same way, so each sub-graph can be rewritten on its own.
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    sharded = {}
-    for node, example in zip(placeholders, example_inputs):
-        value = example if isinstance(example, torch.Tensor) else example_value(node)
-        if value is None or is_parameter_input(node, example) or value.dim() == 0:
-            continue
-        dim = _sequence_dim(tuple(value.shape), shard.local_len, preferred=seq_dim)
-        if dim is not None:
-            sharded[node] = SeqLayout(dim, shard.global_len)
-    return sharded
-
-
-def _sequence_dim(shape: tuple[int, ...], length: int, preferred: int) -> int | None:
-    if preferred < len(shape) and shape[preferred] == length:
-        return preferred
-    candidates = [d for d, size in enumerate(shape) if size == length]
-    return candidates[0] if len(candidates) == 1 else None
-
-
-def propagate_sequence_layout(
-    gm: fx.GraphModule, sharded_inputs: dict[fx.Node, SeqLayout]
-) -> tuple[dict[fx.Node, SeqLayout], set[fx.Node]]:
-    """Follow the sequence dim from the sharded inputs through the graph.
-
-    Returns ``(layouts, derived)``: ``layouts`` maps each value that still has a sequence dim to it
-    (found by shape: the dim of the output with the input's local length, preferring the same
-    index); ``derived`` holds every value computed from sharded data, sequence dim or not (a loss
-    over flattened tokens is derived but has no sequence dim).
-    """
-    layouts = dict(sharded_inputs)
-    derived = set(sharded_inputs)
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr"):
-            continue
-        inputs = [n for n in node.all_input_nodes if n in derived]
-        if not inputs:
-            continue
-        derived.add(node)
-        source = next((n for n in inputs if n in layouts), None)
-        value, source_value = first_tensor_value(node), first_tensor_value(source)
-        if source is None or value is None or source_value is None:
-            continue
-        layout = layouts[source]
-        local_len = source_value.shape[layout.dim]
-        global_len = layout.global_len
-        if is_sequence_slice(node, layouts) or is_sequence_pad(node, layouts):
-            # The output length differs from the input's: derive both from the op.
-            local_len, global_len = _resized_lengths(node, layout, source_value)
-        dim = _sequence_dim(tuple(value.shape), local_len, preferred=layout.dim)
-        if dim is not None:
-            layouts[node] = SeqLayout(dim, global_len)
-    return layouts, derived
-
-
-def is_sequence_slice(node: fx.Node, layouts: dict[fx.Node, SeqLayout]) -> bool:
-    """``x[..., a:b, ...]`` on the sequence dim of a sharded value."""
-    if node.op != "call_function" or node.target is not operator.getitem:
-        return False
-    source, index = node.args
-    if source not in layouts or example_value(source) is None:
-        return False
-    position = index_position(index, example_value(source).dim(), layouts[source].dim)
-    if position is None:
-        return False
-    item = index[position] if isinstance(index, tuple) else index
-    return isinstance(item, slice) and not _is_full_slice(item)
-
-
-def _is_full_slice(item: slice) -> bool:
-    return item.start in (None, 0) and item.stop is None and item.step in (None, 1)
-
-
-def is_sequence_pad(node: fx.Node, layouts: dict[fx.Node, SeqLayout]) -> bool:
-    """``F.pad`` whose padding touches the sequence dim of a sharded value."""
-    if node.op != "call_function" or node.target not in PAD_TARGETS:
-        return False
-    source = node.args[0]
-    if source not in layouts:
-        return False
-    ndim = example_value(source).dim()
-    pads = node.args[1] if len(node.args) > 1 else node.kwargs["pad"]
-    padded_dim = ndim - 1 - layouts[source].dim
-    return padded_dim < len(pads) // 2 and tuple(pads[2 * padded_dim : 2 * padded_dim + 2]) != (0, 0)
-
-
-def index_position(index: object, ndim: int, dim: int) -> int | None:
-    """Position in an index tuple of the element that indexes tensor dim ``dim`` (None: not indexed)."""
-    items = index if isinstance(index, tuple) else (index,)
-    consumed = [i for i, item in enumerate(items) if item is not None and item is not Ellipsis]
-    if Ellipsis in items:
-        ellipsis = items.index(Ellipsis)
-        before = [i for i in consumed if i < ellipsis]
-        after = [i for i in consumed if i > ellipsis]
-        dims = {i: d for d, i in enumerate(before)} | {i: ndim - len(after) + k for k, i in enumerate(after)}
-    else:
-        dims = {i: d for d, i in enumerate(consumed)}
-    for position, indexed in dims.items():
-        if indexed == dim:
-            return position
-    return None
-
-
-def _resized_lengths(node: fx.Node, layout: SeqLayout, source_value: torch.Tensor) -> tuple[int, int]:
-    local, total = source_value.shape[layout.dim], layout.global_len
-    if node.target in PAD_TARGETS:
-        pads = node.args[1] if len(node.args) > 1 else node.kwargs["pad"]
-        padded_dim = source_value.dim() - 1 - layout.dim
-        left, right = pads[2 * padded_dim : 2 * padded_dim + 2]
-        return local + left + right, total + left + right
-    index = node.args[1]
-    item = index[index_position(index, source_value.dim(), layout.dim)] if isinstance(index, tuple) else index
-    return len(range(local)[item]), len(range(total)[item])

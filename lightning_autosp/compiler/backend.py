@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
 from functorch.compile import make_boxed_func
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
@@ -12,10 +13,14 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from lightning_autosp.compiler.agreement import Outcome, agree, graph_signature
 from lightning_autosp.compiler.chunked_loss import ChunkedLossReport, chunked_loss_pass
+from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.layout import SequenceTags, Tag, shard
 from lightning_autosp.compiler.ordering import CollectiveOrder
 from lightning_autosp.compiler.sac import SACReport, SequenceAwarePartitioner
-from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
+from lightning_autosp.compiler.sp_pass import SPReport, sequence_parallel_pass
+from lightning_autosp.compiler.symbols import graph_shape_env
 
 Compiler = Literal["inductor", "aot_eager"]
 
@@ -65,6 +70,7 @@ class AutoSPBackend:
         self,
         context: SPContext | None,
         *,
+        tags: SequenceTags | None = None,
         compiler: Compiler = "inductor",
         sac: bool | str = True,
         chunked_loss: bool = True,
@@ -72,6 +78,8 @@ class AutoSPBackend:
     ) -> None:
         check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens)
         self.context = context
+        self.tags = tags if tags is not None else SequenceTags()
+        self._guards_checked: set[int] = set()
         self.compiler = compiler
         self.sac = sac
         self.chunked_loss = chunked_loss
@@ -79,6 +87,14 @@ class AutoSPBackend:
         self.reports: list[SPReport] = []
         self.loss_reports: list[ChunkedLossReport] = []
         self.partitioner = SequenceAwarePartitioner({True: "all", False: "off", "auto": "auto"}[sac])
+
+    def mark_sharded(self, tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        """Tag ``tensor`` as this rank's shard of the sequence along ``dim`` (default: the context's
+        ``seq_dim``), as the strategy does for the batch; returns it. For compiling with this backend
+        directly, without the strategy."""
+        dim = self.context.seq_dim if dim is None else dim
+        self.tags.mark(tensor, Tag(shard(dim), (self.context.shard.global_len,)))
+        return tensor
 
     @property
     def sac_reports(self) -> list[SACReport]:
@@ -89,9 +105,24 @@ class AutoSPBackend:
         return sum(len(report.attention) for report in self.reports)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        output_tags: list[Tag | None] = []
         if self.context is not None:
-            gm, report = sequence_parallel_pass(gm, example_inputs, self.context)
+            # Dynamo's guards are checked once per trace: DDP's later buckets see the length fixed already.
+            shape_env = graph_shape_env(gm, example_inputs)
+            first = id(shape_env) not in self._guards_checked
+            self._guards_checked.add(id(shape_env))
+            try:
+                gm, report = sequence_parallel_pass(
+                    gm, example_inputs, self.context, self.tags, check_guards=first
+                )
+            except (NotImplementedError, ValueError) as error:  # refused: on every rank, or none waits
+                agree(Outcome(error=str(error), error_type=type(error).__name__), self.context.group_name)
+                raise
+            # Note [Ranks agree on their graphs]
+            rewrites = [*report.attention, *report.ring_attention, *report.losses]
+            agree(Outcome(graph_signature(gm, rewrites)), self.context.group_name)
             self.reports.append(report)
+            output_tags = report.output_tags
         if self.chunked_loss:  # after SP: it chunks the loss of this rank's tokens
             self.loss_reports.append(ChunkedLossReport())
             chunked_loss_pass(gm, self.loss_reports[-1], chunk_tokens=self.loss_chunk_tokens)
@@ -101,10 +132,28 @@ class AutoSPBackend:
                 "custom_partitioner_fn": self.partitioner,
                 "post_grad_custom_post_pass": CollectiveOrder(),
             }
-            return compile_fx(gm, example_inputs, config_patches=patches)
-        return aot_autograd(
-            fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
-        )(gm, example_inputs)
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        else:
+            compiled = aot_autograd(
+                fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
+            )(gm, example_inputs)
+        return tagging_outputs(compiled, output_tags, self.tags) if any(output_tags) else compiled
+
+
+def tagging_outputs(compiled: Callable, output_tags: list[Tag | None], tags: SequenceTags) -> Callable:
+    """``compiled``, tagging each output with its layout for the graph after it (Note [Sequence layouts]);
+    with DDP's buckets also when DDP runs it on fake tensors to trace the next bucket."""
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def run(*args: Any) -> Any:
+        outputs = compiled(*args)
+        for output, tag in zip(outputs, output_tags):
+            if tag is not None and isinstance(output, torch.Tensor):
+                tags.mark(output, tag)
+        return outputs
+
+    run._boxed_call = boxed  # Dynamo passes a boxed function its inputs as one list
+    return run
 
 
 def frames_not_compiled() -> int:

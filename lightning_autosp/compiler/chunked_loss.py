@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from lightning_autosp.compiler.analysis import bind, example_value
-from lightning_autosp.compiler.sp_pass import _call
+from lightning_autosp.compiler.fx_utils import bind, example_value
+from lightning_autosp.compiler.fx_utils import call as _call
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,14 @@ the T tokens of one packed row, with ``cu_seqlens`` marking where each document 
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from lightning_autosp.compiler.analysis import example_value
-from lightning_autosp.compiler.sp_pass import SPContext, SPReport, _call, _redirect_uses
+from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.fx_utils import example_value
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +181,7 @@ def _through_pads(node: fx.Node) -> fx.Node:
     return node
 
 
-def check_flash_attention(match: FlashMatch, ctx: SPContext, derived: set[fx.Node]) -> None:
+def check_flash_attention(match: FlashMatch, ctx: SPContext) -> None:
     """Raise, naming the fix, when a flash-attn call cannot be made exact under SP."""
     args, world = match.arguments, ctx.shard.world
     if getattr(ctx.shard, "ring_degree", 1) > 1:
@@ -223,89 +222,18 @@ def check_flash_attention(match: FlashMatch, ctx: SPContext, derived: set[fx.Nod
             f"sp_size={world} must divide the number of attention heads ({heads}) of {match.name}; "
             f"use one of {divisors}."
         )
-    for name in ("cu_seqlens_q", "cu_seqlens_k"):
-        if name in match.operands and match.operands[name] in derived:
-            raise NotImplementedError(
-                f"{match.name}: {name} is computed from this rank's shard of the sequence (or has the "
-                "shard's length), but after the all-to-all attention runs over the whole row. Put the "
-                "cu_seqlens of the whole packed row in the batch (Note [Packed sequences], packed.py)."
-            )
 
 
-def insert_flash_all_to_all_pass(
-    gm: fx.GraphModule, ctx: SPContext, report: SPReport, *, derived: set[fx.Node]
-) -> fx.GraphModule:
-    """Give every flash-attn call the whole sequence for H/P of the heads.
-
-    Before::
-
-        q, k, v [B, S_r, H, D] -> flash_attn_func(causal, window, softcap, ...) -> [B, S_r, H, D]
-
-    After::
-
-        q, k, v [B, S_r, H, D] -> seq_to_head -> [B, S, H/P, D]
-            -> flash_attn_func(same options) -> [B, S, H/P, D] -> head_to_seq -> [B, S_r, H, D]
-
-    ``flash_attn_varlen_func`` likewise on [T, H, D] (one packed row: T = S), with the row's global
-    ``cu_seqlens``; a ``max_seqlen`` equal to the shard length (taken from the local shape) becomes
-    S, which bounds every document of the row. Causal masks, sliding windows and softcap refer to
-    positions in the sequence attention sees, which after the all-to-all is the global one, so they
-    carry over unchanged; the softmax scale depends on D only. K/V with fewer heads than can be split
-    over P are repeated to lcm(H_kv, P) heads first (flash-attn pairs q head i with KV head
-    i // (H / H_kv), which repeating each KV head keeps).
-
-    Raises:
-        ValueError: the q heads do not divide by sp_size.
-        NotImplementedError: ALiBi, attention probabilities, paged KV, cross-attention, cu_seqlens
-            computed from the shard, or a flash-attn call in an unknown form.
-    """
-    matches = find_flash_attention(gm)
-    for match in matches:  # all checks first: an error leaves the graph as it was
-        check_flash_attention(match, ctx, derived)
-    graph, world = gm.graph, ctx.shard.world
-    for match in matches:
-        dims = (match.head_dim, match.seq_dim)
-        query, key, value = (match.operands[name] for name in ("q", "k", "v"))
-        kv_heads = example_value(key).shape[match.head_dim]
-        with graph.inserting_before(match.node):
-            if kv_heads % world:
-                repeats = world // math.gcd(kv_heads, world)
-                repeated = [
-                    _call(graph, torch.repeat_interleave, (t, repeats), {"dim": match.head_dim})
-                    for t in (key, value)
-                ]
-                report.replicated_kv_heads.append(f"{match.name}: {kv_heads} -> {kv_heads * repeats}")
-            else:
-                repeated = [key, value]
-            exchanged = {
-                original: _call(graph, torch.ops.autosp.seq_to_head.default, (source, *dims, *ctx.comm_args))
-                for original, source in zip((query, key, value), (query, *repeated))
-            }
-        match.node.args = fx.node.map_arg(match.node.args, lambda n, new=exchanged: new.get(n, n))
-        match.node.kwargs = fx.node.map_arg(match.node.kwargs, lambda n, new=exchanged: new.get(n, n))
-        _set_output_value(match, example_value(exchanged[query]))
-        if match.layout == "SHD":
-            _globalize_max_seqlen(gm, match, ctx)
-        with graph.inserting_after(match.output):
-            back = _call(graph, torch.ops.autosp.head_to_seq.default, (match.output, *dims, *ctx.comm_args))
-        _redirect_uses(match.output, back)
-        report.attention.append(match.name)
-        report.all_to_alls += 4
-    if matches:
-        log.debug("flash-attn calls rewritten for SP: %s", [m.name for m in matches])
-    return gm
-
-
-def _globalize_max_seqlen(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext) -> None:
-    """``max_seqlen_q/k`` equal to the shard length were read off the local shape; after the all-to-all
-    a document can be up to S long. S is always a valid bound for flash-attn's varlen kernels."""
+def globalize_max_seqlen(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext) -> None:
+    """``max_seqlen_q/k`` bound the documents' lengths; after the all-to-all a document can be up to S
+    long, and S is always a valid bound for flash-attn's varlen kernels (a larger one costs nothing)."""
     ops, bodies = [match.op], []
     if match.node is not match.op:  # autograd_function_apply: the backward body passes them again
         bodies = [getattr(gm, match.node.args[0].target), getattr(gm, match.node.args[1].target)]
         ops += [n for n in bodies[1].graph.nodes if _qualified_name(n.target) == _VARLEN_BACKWARD]
     for op in ops:
         for name in ("max_seqlen_q", "max_seqlen_k"):
-            if bind_op(op).get(name) == ctx.shard.local_len:
+            if name in bind_op(op):
                 _set_op_argument(op, name, ctx.shard.global_len)
     for body in bodies:
         body.recompile()
@@ -320,7 +248,7 @@ def _set_op_argument(op: fx.Node, name: str, value: object) -> None:
         op.kwargs = {**op.kwargs, name: value}
 
 
-def _set_output_value(match: FlashMatch, query: torch.Tensor | None) -> None:
+def set_output_value(match: FlashMatch, query: torch.Tensor | None) -> None:
     """The attention output now has the all-to-all'd query's heads and sequence: [B, S, H/P, D]."""
     old = example_value(match.output)
     if old is None or query is None:

@@ -31,6 +31,17 @@ def is_collective(node: object, *, waits: bool = True) -> bool:
     return namespace in _COLLECTIVE_NAMESPACES and (waits or not name.startswith("wait"))
 
 
+def process_group(group_name: str) -> dist.ProcessGroup | None:
+    """The process group of that name, or None (no process group, or a name only tests use)."""
+    # torch.distributed itself: tests and the planner stand in for this module's ``dist``.
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    try:
+        return _resolve_process_group(group_name)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
 def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
@@ -277,12 +288,15 @@ shift_from_next.register_autograd(_shift_backward, setup_context=_shift_setup_co
 def gather_sequence(x: Tensor, dim: int, seq_lens: list[int], group_name: str) -> Tensor:
     """All-gather of per-token data along ``dim``: [B, S_r, ...] -> [B, S, ...] on every rank.
 
-    For integer data the SP pass needs whole (document ids, position ids behind a packed-sequence
-    mask: Note [Packed sequences] in ``compiler/packed.py``); it has no gradient. Shards may be
+    For token data the SP pass computes for the whole sequence (document ids and positions behind a
+    mask, labels rolled inside the step: Note [Recomputing token data] in ``compiler/recompute.py``);
+    it has no gradient. Shards may be
     uneven: each rank sends its shard padded to the longest one, so the collective is the same on all.
     """
-    if x.is_floating_point() or x.is_complex():
-        raise TypeError(f"gather_sequence gathers integer or bool per-token data, not {x.dtype}.")
+    if x.requires_grad:
+        raise TypeError(
+            "gather_sequence gathers per-token data without gradients (token data), not activations."
+        )
     longest = max(seq_lens)
     padded = x.new_zeros([*x.shape[:dim], longest, *x.shape[dim + 1 :]])
     padded.narrow(dim, 0, x.shape[dim]).copy_(x)
@@ -296,3 +310,35 @@ def _(x: Tensor, dim: int, seq_lens: list[int], group_name: str) -> Tensor:
     shape = list(x.shape)
     shape[dim] = sum(seq_lens)
     return x.new_empty(shape)
+
+
+@torch.library.custom_op("autosp::all_reduce_extremum", mutates_args=())
+def all_reduce_extremum(x: Tensor, op: str, group_name: str) -> Tensor:
+    """Elementwise max (``op="max"``) or min over the sp group; every rank gets the result.
+
+    Its gradient goes to the elements equal to the result, split evenly among the ranks that hold one
+    (as ``amax`` splits it among ties).
+    """
+    reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    result = x.to(torch.int32) if x.dtype == torch.bool else x.clone()
+    dist.all_reduce(result, op=reduce_op, group=_group(group_name))
+    return result.to(x.dtype)
+
+
+@all_reduce_extremum.register_fake
+def _(x: Tensor, op: str, group_name: str) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _extremum_setup_context(ctx, inputs, output) -> None:
+    x, _, ctx.group_name = inputs
+    ctx.save_for_backward(x, output)
+
+
+def _extremum_backward(ctx, grad: Tensor):
+    x, output = ctx.saved_tensors
+    holds = (x == output).to(grad.dtype)
+    return grad * holds / all_reduce_sum(holds, ctx.group_name).clamp(min=1), None, None
+
+
+all_reduce_extremum.register_autograd(_extremum_backward, setup_context=_extremum_setup_context)

@@ -326,11 +326,11 @@ def node_flops(node: fx.Node) -> int:
     packet = getattr(node.target, "_overloadpacket", None)
     if _op_name(node) in _SEQUENCE_FIRST_ATTENTION_OPS:
         query, key = _value(node.args[0]), _value(node.args[1])
-        return 4 * query.shape[:-1].numel() * key.shape[-3] * query.shape[-1]
+        return int(4 * query.shape[:-1].numel() * key.shape[-3] * query.shape[-1])
     if _op_name(node) in _ATTENTION_OPS:
         query, key = _value(node.args[0]), _value(node.args[1])
         batch_heads = query.shape[:-2].numel()
-        return 4 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
+        return int(4 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1])
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
@@ -344,7 +344,10 @@ def node_flops(node: fx.Node) -> int:
 
 def node_bytes(node: fx.Node) -> int:
     value = node.meta.get("val")
-    return value.nbytes if isinstance(value, torch.Tensor) else 0
+    if not isinstance(value, torch.Tensor):
+        return 0
+    # Sizes may be symbols the SP pass fixed to this rank's length (Note [Symbolic sequence lengths]).
+    return int(value.shape.numel()) * value.element_size()
 
 
 def choose_recomputable(joint: fx.GraphModule, overhead: float) -> tuple[set[fx.Node], str]:

@@ -134,11 +134,13 @@ class LlamaModule(L.LightningModule):
 class UserShardedGPTModule(GPTModule):
     """Shards itself in configure_model, as with Lightning's ModelParallelStrategy (FSDP2, all ranks).
 
-    ``units="head_then_model"``: the LM head and then the whole model, both called outside any loop.
+    ``units="model"``: the whole model, called from the compiled step.
+    ``units="head_then_model"``: the LM head too, which then runs eagerly (FSDP2 calls it through its
+    hooks, and Dynamo does not compile torch's own ``nn.Linear.forward`` as a frame of its own).
     ``units="blocks"``: every attention and MLP block, which the model calls inside its loop over layers.
     """
 
-    def __init__(self, units: str = "head_then_model", **model_kwargs) -> None:
+    def __init__(self, units: str = "model", **model_kwargs) -> None:
         super().__init__(**model_kwargs)
         self.units = units
 
@@ -148,6 +150,6 @@ class UserShardedGPTModule(GPTModule):
         if self.units == "blocks":
             for block in [*self.model.attns, *self.model.mlps]:
                 fully_shard(block)
-        else:
+        elif self.units == "head_then_model":
             fully_shard(self.model.head)
         fully_shard(self.model)

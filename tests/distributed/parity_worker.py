@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import grad_rel_err  # noqa: E402
 from lightning_autosp import AutoSPStrategy  # noqa: E402
+from lightning_autosp.compiler import attention, chunked_loss  # noqa: E402
 from lightning_autosp.compiler import backend as backend_module  # noqa: E402
-from lightning_autosp.compiler import chunked_loss, sp_pass  # noqa: E402
 from lightning_autosp.compiler.sp_pass import SPReport  # noqa: E402
 from tests.distributed.attention_modules import (  # noqa: E402
     DocumentMaskGPTModule,
@@ -121,6 +121,9 @@ CASES = {
     # The user's own units from configure_model are kept; blocks called inside the loop over layers are
     # graph breaks in a loop, which Dynamo cannot compile around (Note [FSDP units under a compiled step]).
     "fsdp_user_units": Case(UserShardedGPTModule, strategy_kwargs={"data_parallel": "fsdp"}),
+    "fsdp_user_head_unit": Case(
+        UserShardedGPTModule, {"units": "head_then_model"}, strategy_kwargs={"data_parallel": "fsdp"}
+    ),
     "fsdp_user_blocks": Case(
         UserShardedGPTModule, {"units": "blocks"}, strategy_kwargs={"data_parallel": "fsdp"}
     ),
@@ -276,14 +279,17 @@ def run_case(name: str, case: Case) -> dict:
 
     strategy = AutoSPStrategy(sp_size=case.sp_size, **{"compiler": "aot_eager", **case.strategy_kwargs})
     if not case.sp_pass:  # negative control: the passes report attention but rewrite nothing
-        backend_module.sequence_parallel_pass = lambda gm, inputs, ctx: (gm, SPReport(attention=["skipped"]))
+        backend_module.sequence_parallel_pass = lambda gm, *args, **kwargs: (
+            gm,
+            SPReport(attention=["skipped"]),
+        )
     capture = Capture()
     trainer = one_step_trainer(case, strategy, capture, devices=world)
     all_chunks = chunked_loss.token_chunks
     with contextlib.ExitStack() as patches:
         if not case.ring_attention:
             patches.enter_context(
-                mock.patch.object(sp_pass, "_lower_to_ring_attention", lambda graph, match, ctx: match.node)
+                mock.patch.object(attention, "_lower_to_ring_attention", lambda graph, node, ctx: node)
             )
         if case.drop_last_loss_chunk:
             patches.enter_context(

@@ -19,9 +19,11 @@ Checks (2 ranks):
 - ``property``: hypothesis draws model/batch shapes; loss and gradient parity for each (run_case of
   ``tests/distributed/parity_worker.py``). Every rank draws the same examples (``derandomize=True``),
   and the ranks agree on each verdict with an all-reduce before asserting, so they stay in step.
-- ``ambiguous_shard``: the SP pass refuses a batch whose size equals a shard length; that must happen on
-  every rank, not only on the rank whose shard has that length. Runs last: when it fails, one rank is
-  left in a collective until a (10 s) timeout, which may leave the process group unusable.
+- ``ambiguous_shard``: 2 sequences of 5 tokens, shards of 3 and 2: on the 2-token shard a shifted
+  length is 1, which Dynamo specializes on (a branch the whole sequence would not take), so that rank's
+  SP pass refuses; the ranks agree on their graphs before any runs (Note [Ranks agree on their graphs]),
+  so every rank raises the same error and none is left in a collective. Runs last: when it fails, one
+  rank is left in a collective until a (10 s) timeout, which may leave the process group unusable.
 """
 
 from __future__ import annotations
@@ -446,7 +448,7 @@ def check_property(out: Path, max_examples: int) -> dict:
         kv_heads = draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0]))
         sp_size = draw(st.sampled_from([1, 2]))
         batch_size = draw(st.integers(1, 3))
-        # >= 8 tokens: shards of >= 4 never equal the batch size (that case is refused, see ambiguous_shard)
+        # >= 8 tokens: shards of >= 4 (tiny shards may be refused on one rank, see ambiguous_shard)
         seq_len = draw(st.integers(8, 40))
         samples = batch_size * (world() // sp_size)
         fractions = draw(st.lists(st.floats(0, 0.9), min_size=samples, max_size=samples))
@@ -512,7 +514,8 @@ def check_property(out: Path, max_examples: int) -> dict:
 
 
 def check_ambiguous_shard() -> dict:
-    """2 sequences of 5 tokens: shards of 3 and 2; rank 1's length equals the batch size (2)."""
+    """2 sequences of 5 tokens: shards of 3 and 2; only rank 1's trace takes a branch the whole sequence
+    would not take."""
     _set_pg_timeout(timedelta(seconds=10))
     torch._dynamo.reset()
     trainer = make_trainer(make_strategy(2), max_steps=1)

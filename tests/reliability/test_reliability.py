@@ -108,11 +108,16 @@ def test_bad_input_fails_on_every_rank_before_any_collective(checks, case):
 
 
 @pytest.mark.timeout(420)
-def test_an_ambiguous_shard_length_is_refused_on_every_rank(checks):
-    # 2 x 5 tokens over 2 ranks: shards of 3 and 2, and 2 is also the batch size.
+def test_a_refusal_on_one_rank_stops_every_rank(checks):
+    # 2 x 5 tokens over 2 ranks: shards of 3 and 2; only the 2-token shard's trace takes a branch that the
+    # whole sequence would not, so only that rank's pass refuses: the ranks agree before any collective.
+    errors = set()
     for rank, outcome in each_rank(checks, "ambiguous_shard"):
-        assert "equals another dimension of the batch" in (outcome["error"] or ""), (rank, outcome)
-        assert outcome["in_step"], (rank, outcome)
+        assert "branched on the sequence length" in (outcome["error"] or ""), (rank, outcome)
+        assert "refused on sp rank(s) 1 of 2" in outcome["error"], (rank, outcome)
+        assert outcome["in_step"], (rank, outcome)  # nobody left waiting in a collective
+        errors.add(outcome["error"])
+    assert len(errors) == 1
 
 
 # 3. checkpoints

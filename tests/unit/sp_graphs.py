@@ -21,6 +21,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import lightning_autosp.compiler.ops as ops
 import lightning_autosp.compiler.ring as ring
+from lightning_autosp.compiler.layout import REPLICATE, SequenceTags, Tag
+from lightning_autosp.compiler.layout import shard as layout_shard
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard, shard_batch
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
@@ -86,12 +88,44 @@ class CaptureBackend:
 
 
 def capture(fn: Callable, *args: Any) -> Captured:
-    """The one graph Dynamo traces for ``fn(*args)`` at these (local) shapes."""
+    """The one graph Dynamo traces for ``fn(*args)`` at these (local) shapes; sequence dims the batch was
+    tagged with (``shard``) are traced as symbols, as under the strategy."""
     torch._dynamo.reset()
     backend = CaptureBackend()
     torch.compile(fn, backend=backend, dynamic=False)(*args)
     assert len(backend.graphs) == 1, f"expected one graph, got {len(backend.graphs)} (a graph break?)"
     return backend.graphs[0]
+
+
+def shard(
+    batch: dict, world: int, rank: int, tags: SequenceTags, **kwargs: Any
+) -> tuple[dict, SequenceShard]:
+    """``shard_batch`` and tag the result as the strategy does."""
+    sharded: list[torch.Tensor] = []
+    local, sequence_shard = shard_batch(batch, world=world, rank=rank, on_shard=sharded.append, **kwargs)
+    tags.mark_batch(local, sharded, kwargs.get("seq_dim", 1), sequence_shard.global_len)
+    return local, sequence_shard
+
+
+def pass_on(
+    fn: Callable, shard: SequenceShard, *args: Any, sharded: dict[int, int] | None = None
+) -> tuple[fx.GraphModule, SPReport, list[Any]]:
+    """Trace ``fn(*args)`` with the args at the indices of ``sharded`` tagged as sequence shards along the
+    given dims (all others replicated), and run the SP pass: (graph, report, concrete example inputs)."""
+    tags = SequenceTags()
+    for index, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            dim = (sharded or {}).get(index)
+            tag = Tag(layout_shard(dim), (shard.global_len,)) if dim is not None else Tag(REPLICATE)
+            tags.mark(arg, tag)
+    captured = capture(fn, *args)
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP), tags)
+    return gm, report, concrete(captured.example_inputs)
+
+
+def concrete(example_inputs: Sequence[Any]) -> list[Any]:
+    """Dynamo's example inputs with its SymInts as the ints they were traced at (to run a graph eagerly)."""
+    return [int(v.node.hint) if isinstance(v, torch.SymInt) else v for v in example_inputs]
 
 
 @contextlib.contextmanager
@@ -126,11 +160,14 @@ def rewritten_step(
 
     Cached: tests only read the graphs (fake propagation adds ``meta["val"]``, nothing else).
     """
-    batch, shard = shard_batch(global_batch(batch_size, global_len, ignored_tail), world=world, rank=rank)
+    tags = SequenceTags()
+    batch, sequence_shard = shard(global_batch(batch_size, global_len, ignored_tail), world, rank, tags)
     with force_sdpa_gqa(gqa):
         captured = capture(training_step(kind), batch)
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
-    return Rewritten(gm, report, captured.example_inputs, shard)
+    gm, report = sequence_parallel_pass(
+        captured.gm, captured.example_inputs, SPContext(sequence_shard, GROUP), tags
+    )
+    return Rewritten(gm, report, concrete(captured.example_inputs), sequence_shard)
 
 
 def nodes_with_target(gm: fx.GraphModule, target: object) -> list[fx.Node]:
@@ -257,3 +294,94 @@ def run_ranks(world: int, fn: Callable[[int], Any]) -> tuple[list[Any], Threaded
     if real_errors or errors:
         raise (real_errors or errors)[0]
     return results, comm
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole training step of any module, every rank simulated
+
+
+@dataclass
+class Simulated:
+    losses: list[torch.Tensor]
+    grads: dict[str, torch.Tensor]  # mean over ranks (what DDP computes)
+    reports: list[SPReport]
+    calls: list[list[str]]
+
+
+def simulate_step(
+    lightning_module: torch.nn.Module, batch: dict, world: int, **shard_kwargs: Any
+) -> Simulated:
+    """Rewrite ``lightning_module.training_step(batch)`` for every rank and run the ranks in threads.
+
+    Raises what the SP pass raises (a refusal) on the first rank.
+    """
+    step = lambda local: lightning_module.training_step(local, 0)  # noqa: E731
+    rewritten = []
+    for rank in range(world):
+        tags = SequenceTags()
+        local, sequence_shard = shard(batch, world, rank, tags, **shard_kwargs)
+        captured = capture(step, local)
+        context = SPContext(sequence_shard, GROUP, shard_kwargs.get("seq_dim", 1))
+        gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, context, tags)
+        rewritten.append((gm, report, concrete(captured.example_inputs)))
+    params = dict(lightning_module.named_parameters())
+
+    def rank_fn(rank: int):
+        gm, _, inputs = rewritten[rank]
+        (loss,) = gm(*inputs)
+        given = [p for p in inputs if isinstance(p, torch.nn.Parameter)]
+        grads = torch.autograd.grad(loss, given, allow_unused=True)
+        by_param = {id(p): g for p, g in zip(given, grads) if g is not None}
+        return loss.detach(), {name: by_param.get(id(p), torch.zeros_like(p)) for name, p in params.items()}
+
+    results, comm = run_ranks(world, rank_fn)
+    mean = {name: torch.stack([grads[name] for _, grads in results]).mean(0) for name in params}
+    return Simulated([loss for loss, _ in results], mean, [r for _, r, _ in rewritten], comm.calls)
+
+
+def single_device(
+    lightning_module: torch.nn.Module, batch: dict
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = lightning_module.training_step(batch, 0)
+    params = dict(lightning_module.named_parameters())
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return loss.detach(), {
+        n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)
+    }
+
+
+def simulate_compiled_step(
+    lightning_module: torch.nn.Module,
+    batch: dict,
+    world: int,
+    compiler: str = "inductor",
+    **backend_kwargs: Any,
+) -> Simulated:
+    """As ``simulate_step``, but every rank's graph goes through the whole backend (SP pass, chunked loss,
+    AOTAutograd with SAC, Inductor), and forward and backward run compiled, ranks as threads."""
+    from lightning_autosp.compiler.backend import AutoSPBackend
+
+    step = lambda local: lightning_module.training_step(local, 0)  # noqa: E731
+    compiled = []
+    for rank in range(world):
+        tags = SequenceTags()
+        local, sequence_shard = shard(batch, world, rank, tags)
+        captured = capture(step, local)
+        context = SPContext(sequence_shard, GROUP)
+        backend = AutoSPBackend(context, tags=tags, compiler=compiler, **backend_kwargs)
+        inputs = concrete(captured.example_inputs)
+        compiled.append((backend(captured.gm, inputs), inputs, backend))
+    params = dict(lightning_module.named_parameters())
+
+    def rank_fn(rank: int):
+        fn, inputs, _ = compiled[rank]
+        loss = fn(*inputs)[0]
+        given = [p for p in inputs if isinstance(p, torch.nn.Parameter)]
+        grads = torch.autograd.grad(loss, given, allow_unused=True)
+        by_param = {id(p): g for p, g in zip(given, grads) if g is not None}
+        return loss.detach(), {name: by_param.get(id(p), torch.zeros_like(p)) for name, p in params.items()}
+
+    results, comm = run_ranks(world, rank_fn)
+    mean = {name: torch.stack([grads[name] for _, grads in results]).mean(0) for name in params}
+    reports = [report for _, _, backend in compiled for report in backend.reports]
+    return Simulated([loss for loss, _ in results], mean, reports, comm.calls)

@@ -16,20 +16,22 @@ from lightning_autosp.compiler.chunked_loss import (
     linear_cross_entropy,
     token_chunks,
 )
+from lightning_autosp.compiler.layout import SequenceTags
 from lightning_autosp.compiler.sac import SequenceAwarePartitioner
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
-from lightning_autosp.data import shard_batch
 from lightning_autosp.strategy import AutoSPStrategy
 from tests.distributed.modules import VOCAB
 from tests.unit.sp_graphs import (
     ALL_REDUCE_SUM,
     GROUP,
     capture,
+    concrete,
     fake_propagate,
     global_batch,
     module,
     nodes_with_target,
     run_ranks,
+    shard,
     training_step,
 )
 
@@ -144,16 +146,19 @@ def test_after_the_sp_pass_every_rank_chunks_its_tokens(kind: str, global_len: i
     expected_grads = torch.autograd.grad(expected, params)
     graphs = []
     for rank in range(world):
-        local, shard = shard_batch(batch, world=world, rank=rank)
+        tags = SequenceTags()
+        local, sequence_shard = shard(batch, world, rank, tags)
         captured = capture(training_step(kind), local)
-        gm, _ = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+        context = SPContext(sequence_shard, GROUP)
+        gm, _ = sequence_parallel_pass(captured.gm, captured.example_inputs, context, tags)
         report = _chunk(gm, chunk_tokens=5)
         (op,) = nodes_with_target(gm, CHUNKED)
         assert op.args[5] == "sum" and [u.target for u in op.users] == [torch.stack]
         assert nodes_with_target(gm, ALL_REDUCE_SUM) and not nodes_with_target(gm, F.cross_entropy)
         assert len(report.chunked) == 1
-        fake_propagate(gm, captured.example_inputs)
-        graphs.append((gm, captured.example_inputs))
+        inputs = concrete(captured.example_inputs)
+        fake_propagate(gm, inputs)
+        graphs.append((gm, inputs))
 
     def rank_fn(rank: int):
         gm, inputs = graphs[rank]

@@ -16,9 +16,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.flash import bind_op, find_flash_attention
+from lightning_autosp.compiler.layout import SequenceTags
 from lightning_autosp.compiler.sac import SequenceAwarePartitioner, node_flops
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
-from lightning_autosp.data import SequenceShard, shard_batch
+from lightning_autosp.data import SequenceShard
 from tests.distributed.attention_modules import FlashGPT, FlashGPTModule, packed_inputs
 from tests.distributed.modules import VOCAB
 from tests.flash_stand_in import (
@@ -32,10 +33,13 @@ from tests.unit.sp_graphs import (
     HEAD_TO_SEQ,
     SEQ_TO_HEAD,
     capture,
+    concrete,
     fake_propagate,
     fake_shape,
     nodes_with_target,
+    pass_on,
     run_ranks,
+    shard,
 )
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
@@ -47,6 +51,15 @@ APPLY = torch.ops.higher_order.autograd_function_apply
 def flash_ops() -> Iterator[None]:
     with flash_attn_stand_in():
         yield
+
+
+def tensor_args(apply: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensors an autograd_function_apply takes (Dynamo also passes it the sequence length)."""
+    return [
+        a
+        for a in apply.args[2:]
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor)
+    ]
 
 
 def make_module(**kwargs) -> FlashGPTModule:
@@ -65,11 +78,13 @@ def make_batch(batch_size: int, global_len: int, documents: tuple[int, ...] = ()
 
 
 def rewrite(module: FlashGPTModule, batch: dict, world: int, rank: int, no_grad: bool = False):
-    local, shard = shard_batch(batch, world=world, rank=rank)
+    tags = SequenceTags()
+    local, sequence_shard = shard(batch, world, rank, tags)
     with torch.set_grad_enabled(not no_grad):
         captured = capture(lambda b: module.training_step(b, 0), local)
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
-    return gm, report, captured.example_inputs, shard
+    context = SPContext(sequence_shard, GROUP)
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, context, tags)
+    return gm, report, concrete(captured.example_inputs), sequence_shard
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,7 +104,7 @@ def test_flash_attn_func_gets_all_to_alls_on_heads_and_sequence(rank: int) -> No
         n.args[1:] == (2,) and n.kwargs == {"dim": 2} for n in nodes_with_target(gm, torch.repeat_interleave)
     )
     for apply in applies:
-        q, k, v = apply.args[2:]
+        q, k, v = tensor_args(apply)
         assert q.target is k.target is v.target is SEQ_TO_HEAD
         assert q.args[1:] == (2, 1, [13, 12], rank, GROUP)  # head dim 2, sequence dim 1 (BSHD)
         (output,) = apply.users
@@ -98,7 +113,7 @@ def test_flash_attn_func_gets_all_to_alls_on_heads_and_sequence(rank: int) -> No
 
     fake_propagate(gm, inputs)
     for apply in applies:
-        q, k, _ = apply.args[2:]
+        q, k, _ = tensor_args(apply)
         assert fake_shape(q) == (2, 25, 2, 8) and fake_shape(k) == (2, 25, 1, 8)
         (output,) = apply.users
         assert fake_shape(output) == (2, 25, 2, 8)
@@ -204,10 +219,10 @@ def test_alibi_is_refused() -> None:
         return flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(4))
 
     q = torch.randn(1, 6, 4, 8)
-    captured = capture(attention, q, q.clone(), q.clone())
-    shard = SequenceShard.balanced(12, 2, 0)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+        pass_on(
+            attention, SequenceShard.balanced(12, 2, 0), q, q.clone(), q.clone(), sharded={0: 1, 1: 1, 2: 1}
+        )
 
 
 def test_varlen_over_a_flattened_batch_is_refused() -> None:
@@ -221,10 +236,8 @@ def test_varlen_over_a_flattened_batch_is_refused() -> None:
         cu = torch.tensor([0, T, 2 * T], dtype=torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu.clone(), T, T, causal=True).sum()
 
-    captured = capture(step, torch.zeros(2, 6, dtype=torch.long))
-    shard = SequenceShard.balanced(12, 2, 0)
     with pytest.raises(NotImplementedError, match="batch size 1"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+        pass_on(step, SequenceShard.balanced(12, 2, 0), torch.zeros(2, 6, dtype=torch.long), sharded={0: 1})
 
 
 def test_cu_seqlens_from_the_shard_are_refused() -> None:
@@ -233,10 +246,17 @@ def test_cu_seqlens_from_the_shard_are_refused() -> None:
         return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu.clone(), 6, 6, causal=True).sum()
 
     q = torch.randn(1, 6, 4, 8)
-    captured = capture(step, q, q.clone(), q.clone(), torch.full((1, 6), 2))
-    shard = SequenceShard.balanced(12, 2, 0)
-    with pytest.raises(NotImplementedError, match="cu_seqlens_q is computed from this rank's shard"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    lengths = torch.full((1, 6), 2)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_q is computed from the sequence"):
+        pass_on(
+            step,
+            SequenceShard.balanced(12, 2, 0),
+            q,
+            q.clone(),
+            q.clone(),
+            lengths,
+            sharded={0: 1, 1: 1, 2: 1, 3: 1},
+        )
 
 
 def test_flex_attention_is_refused() -> None:
@@ -244,18 +264,28 @@ def test_flex_attention_is_refused() -> None:
     from torch.nn.attention.flex_attention import flex_attention
 
     q = torch.randn(1, 4, 6, 8)
-    captured = capture(lambda q, k, v: flex_attention(q, k, v), q, q.clone(), q.clone())
-    shard = SequenceShard.balanced(12, 2, 0)
     with pytest.raises(NotImplementedError, match="flex_attention is not an attention call"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+        pass_on(
+            lambda q, k, v: flex_attention(q, k, v),
+            SequenceShard.balanced(12, 2, 0),
+            q,
+            q.clone(),
+            q.clone(),
+            sharded={0: 2, 1: 2, 2: 2},
+        )
 
 
 def test_heads_not_divisible_by_sp_size() -> None:
     q = torch.randn(1, 4, 3, 8)
-    captured = capture(lambda q, k, v: flash_attn_func(q, k, v, causal=True), q, q.clone(), q.clone())
-    shard = SequenceShard.balanced(8, 2, 0)
     with pytest.raises(ValueError, match=r"must divide the number of attention heads \(3\)"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+        pass_on(
+            lambda q, k, v: flash_attn_func(q, k, v, causal=True),
+            SequenceShard.balanced(8, 2, 0),
+            q,
+            q.clone(),
+            q.clone(),
+            sharded={0: 1, 1: 1, 2: 1},
+        )
 
 
 # --------------------------------------------------------------------------------------------------

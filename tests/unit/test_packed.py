@@ -1,4 +1,5 @@
-"""Packed documents under SP: masks rebuilt from gathered per-token inputs (Note [Packed sequences]).
+"""Packed documents under SP: masks rebuilt from gathered per-token inputs (Note [Masks over the whole
+sequence] in compiler/masks.py).
 
 Graphs per rank, then every rank's rewritten graph run with the ranks as threads against one device.
 """
@@ -9,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_autosp.compiler.analysis import find_attention
+from lightning_autosp.compiler.layout import SequenceTags
 from lightning_autosp.compiler.ops import gather_sequence
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
-from lightning_autosp.data import SequenceShard, shard_batch
+from lightning_autosp.data import SequenceShard
 from tests.distributed.attention_modules import (
     DocumentMaskGPTModule,
     PackedLlamaModule,
@@ -24,11 +25,15 @@ from tests.unit.sp_graphs import (
     GROUP,
     ancestors,
     capture,
+    concrete,
     fake_propagate,
     fake_shape,
     nodes_with_target,
+    pass_on,
     run_ranks,
+    shard,
 )
+from tests.unit.test_sp_pass import find_attention
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -49,10 +54,12 @@ def packed_batch(batch_size: int, documents: tuple[int, ...]) -> dict[str, torch
 
 
 def rewrite(module, batch: dict, world: int, rank: int):
-    local, shard = shard_batch(batch, world=world, rank=rank)
+    tags = SequenceTags()
+    local, sequence_shard = shard(batch, world, rank, tags)
     captured = capture(lambda b: module.training_step(b, 0), local)
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
-    return gm, report, captured.example_inputs, shard
+    context = SPContext(sequence_shard, GROUP)
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, context, tags)
+    return gm, report, concrete(captured.example_inputs), sequence_shard
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,14 +96,13 @@ def test_mask_handed_to_the_next_graph_is_rebuilt_from_gathered_inputs() -> None
         return (documents[:, :, None] == documents[:, None, :]) & causal
 
     batch = packed_batch(2, (7, 11, 7))
-    local, shard = shard_batch(batch, world=2, rank=1)
-    captured = capture(documents_mask, local["position_ids"])
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    sequence_shard = SequenceShard.balanced(25, 2, 1)
+    position_ids = batch["position_ids"].narrow(1, 13, 12).clone()
+    gm, report, inputs = pass_on(documents_mask, sequence_shard, position_ids, sharded={0: 1})
     assert len(nodes_with_target(gm, GATHER)) == 1
-    assert [line.split(": ", 1)[1] for line in report.masks] == [
-        "handed on at global length, from gathered per-token inputs"
-    ]
-    fake_propagate(gm, captured.example_inputs)
+    assert [line.split(": ", 1)[1] for line in report.masks] == ["handed on rebuilt for the whole sequence"]
+    assert report.output_tags[0].layout.kind == "global"
+    fake_propagate(gm, inputs)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     assert fake_shape(output.args[0][0]) == (2, 25, 25)
 
@@ -168,10 +174,10 @@ def test_key_padding_mask_from_an_integer_input() -> None:
         return x.narrow(dim, shard.offset, shard.local_len)
 
     graphs = []
-    for shard in shards:
-        captured = capture(attention, *(local(t, shard, 2) for t in (q, k, v)), local(keep, shard, 1))
-        gm, _ = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
-        graphs.append((gm, captured.example_inputs))
+    for sequence_shard in shards:
+        args = (*(local(t, sequence_shard, 2) for t in (q, k, v)), local(keep, sequence_shard, 1))
+        gm, _, inputs = pass_on(attention, sequence_shard, *args, sharded={0: 2, 1: 2, 2: 2, 3: 1})
+        graphs.append((gm, inputs))
     results, _ = run_ranks(world, lambda rank: graphs[rank][0](*graphs[rank][1])[0])
     torch.testing.assert_close(torch.cat(results, dim=2), expected)
 
@@ -188,19 +194,24 @@ def test_mask_from_activations_is_refused() -> None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
 
     q = torch.randn(1, 2, 6, 4)
-    captured = capture(attention, q, q.clone(), q.clone(), torch.randn(1, 6, 4))
-    shard = SequenceShard.balanced(12, 2, 0)
-    with pytest.raises(
-        NotImplementedError, match="the parameter .* cannot be rebuilt for the whole sequence"
-    ):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    sequence_shard = SequenceShard.balanced(12, 2, 0)
+    with pytest.raises(NotImplementedError, match="mask computed from activations or parameters"):
+        pass_on(
+            attention,
+            sequence_shard,
+            q,
+            q.clone(),
+            q.clone(),
+            torch.randn(1, 6, 4),
+            sharded={0: 2, 1: 2, 2: 2, 3: 1},
+        )
 
 
 def test_gather_sequence_op(gloo_group: str) -> None:
     x = torch.arange(12).view(2, 6)
     torch.library.opcheck(GATHER, (x, 1, [6], gloo_group))
-    with pytest.raises(TypeError, match="integer or bool"):
-        gather_sequence(x.float(), 1, [6], gloo_group)
+    with pytest.raises(TypeError, match="without gradients"):
+        gather_sequence(x.float().requires_grad_(), 1, [6], gloo_group)
 
 
 def test_gather_sequence_across_uneven_shards() -> None:

@@ -10,6 +10,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 import lightning_autosp.strategy as strategy_module
+from lightning_autosp.compiler.layout import SequenceTags
 from lightning_autosp.compiler.ring import fetch_plan, find_blocks, ring_args
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard, shard_batch
@@ -25,11 +26,13 @@ from tests.unit.sp_graphs import (
     GROUP,
     SEQ_TO_HEAD,
     capture,
+    concrete,
     fake_propagate,
     fake_shape,
     global_batch,
     nodes_with_target,
     run_ranks,
+    shard,
     training_step,
 )
 
@@ -238,12 +241,12 @@ def test_fetch_positions_slices_the_global_sequence(global_len, world, ring_degr
 
     results, comm = run_ranks(world, rank_fn)
     expected_grad = torch.zeros_like(full)
-    for shard, weight, (_, out) in zip(shards, weights, results):
-        owned = [p + start for p in shard.positions(out_len)]
+    for sequence_shard, weight, (_, out) in zip(shards, weights, results):
+        owned = [p + start for p in sequence_shard.positions(out_len)]
         torch.testing.assert_close(out, full[:, owned], rtol=0, atol=0)
         expected_grad[:, owned] += weight
-    for shard, (x, _) in zip(shards, results):
-        torch.testing.assert_close(x.grad, expected_grad[:, shard.positions(in_len)])
+    for sequence_shard, (x, _) in zip(shards, results):
+        torch.testing.assert_close(x.grad, expected_grad[:, sequence_shard.positions(in_len)])
     assert all(calls == comm.calls[0] for calls in comm.calls)
 
 
@@ -252,13 +255,14 @@ def test_fetch_positions_slices_the_global_sequence(global_len, world, ring_degr
 
 
 def ring_rewritten(kind: str, global_len: int, world: int, ring_degree: int, rank: int) -> tuple:
-    batch, shard = shard_batch(
-        global_batch(2, global_len), world=world, rank=rank, ring_degree=ring_degree, ring_layout="zigzag"
+    tags = SequenceTags()
+    batch, sequence_shard = shard(
+        global_batch(2, global_len), world, rank, tags, ring_degree=ring_degree, ring_layout="zigzag"
     )
     captured = capture(training_step(kind), batch)
-    ctx = SPContext(shard, GROUP, ulysses_group_name="ulysses_group", ring_group_name="ring_group")
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, ctx)
-    return gm, report, captured.example_inputs, shard
+    ctx = SPContext(sequence_shard, GROUP, ulysses_group_name="ulysses_group", ring_group_name="ring_group")
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, ctx, tags)
+    return gm, report, concrete(captured.example_inputs), sequence_shard
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -55,6 +55,8 @@ def _step(module: GPTModule, backend, ids: torch.Tensor) -> tuple[torch.Tensor, 
     if backend is not None:
         torch._dynamo.reset()
         step = torch.compile(step, backend=backend, dynamic=False)
+        if backend.context is not None:
+            backend.mark_sharded(ids)
     module.zero_grad(set_to_none=True)
     loss = step({"input_ids": ids})
     loss.backward()

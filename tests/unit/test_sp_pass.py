@@ -9,22 +9,21 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler.analysis import example_value, find_attention, find_sharded_inputs
-from lightning_autosp.compiler.sp_pass import (
-    _GLOBAL_MASK,
-    SPContext,
-    SPReport,
-    globalize_positions_pass,
-    is_causal_mask,
-    sequence_parallel_pass,
-)
-from lightning_autosp.data import SequenceShard, shard_batch
+from lightning_autosp.compiler.analysis import Analysis
+from lightning_autosp.compiler.attention import SDPA_SIGNATURE
+from lightning_autosp.compiler.fx_utils import bind, example_value
+from lightning_autosp.compiler.layout import REPLICATE, SequenceTags, Tag, shard
+from lightning_autosp.compiler.masks import is_causal_mask
+from lightning_autosp.compiler.recompute import GlobalCopier
+from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
+from lightning_autosp.data import SequenceShard
 from tests.distributed.modules import VOCAB, TinyGPT
 from tests.unit.sp_graphs import (
     ALL_REDUCE_SUM,
@@ -38,10 +37,15 @@ from tests.unit.sp_graphs import (
     fake_propagate,
     fake_shape,
     global_batch,
+    module,
     nodes_with_target,
+    pass_on,
     rewritten_step,
+    simulate_step,
+    single_device,
     training_step,
 )
+from tests.unit.sp_graphs import shard as shard_and_tag
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -52,6 +56,23 @@ B = 2  # batch size of the traced steps
 def output_values(gm: fx.GraphModule) -> tuple[fx.Node, ...]:
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     return tuple(output.args[0])
+
+
+@dataclass
+class Attention:
+    node: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    attn_mask: object
+
+
+def find_attention(gm: fx.GraphModule) -> list[Attention]:
+    found = []
+    for node in nodes_with_target(gm, F.scaled_dot_product_attention):
+        args = bind(node, SDPA_SIGNATURE)
+        found.append(Attention(node, args["query"], args["key"], args["value"], args["attn_mask"]))
+    return found
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,13 +118,19 @@ def test_head_to_seq_example_value_has_local_shape() -> None:
         assert tuple(node.meta["example_value"].shape) == (B, 4, 12, 8)
 
 
-def test_only_token_inputs_are_sharded() -> None:
-    # hidden size 12 == the local length: the parameters have a dim of 12 too, and stay replicated
-    shard = SequenceShard.balanced(24, 2, 1)
-    captured = capture(TinyGPT(dim=12, heads=4), torch.zeros(B, shard.local_len, dtype=torch.long))
-    sharded = find_sharded_inputs(captured.gm, captured.example_inputs, shard, seq_dim=1)
-    assert [n.name for n in sharded] == ["l_ids_"]
-    assert all(layout.dim == 1 and layout.global_len == 24 for layout in sharded.values())
+def test_a_hidden_size_equal_to_the_shard_length_is_not_the_sequence() -> None:
+    # hidden size 12 == the local length: parameters have a dim of 12 too, and stay replicated; only the
+    # tagged token ids (and what is computed from them) carry the sequence
+    sequence_shard = SequenceShard.balanced(24, 2, 1)
+    tags = SequenceTags()
+    ids = torch.zeros(B, sequence_shard.local_len, dtype=torch.long)
+    tags.mark(ids, Tag(shard(1), (24,)))
+    captured = capture(TinyGPT(dim=12, heads=4), ids)
+    analysis = Analysis(captured.gm, captured.example_inputs, SPContext(sequence_shard, GROUP), tags).run()
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    assert [n.name for n in placeholders if analysis.layout(n) != REPLICATE] == ["l_ids_"]
+    assert [n.name for n in analysis.plan.positions] == ["arange"]
+    assert not analysis.refusals
 
 
 @pytest.mark.parametrize(
@@ -156,8 +183,7 @@ def test_gqa_replication_factor(heads: int, kv_heads: int, world: int) -> None:
 
     q = torch.randn(1, heads, local, 4)
     kv = torch.randn(1, kv_heads, local, 4)
-    captured = capture(attention, q, kv, kv.clone())
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    gm, report, inputs = pass_on(attention, shard, q, kv, kv.clone(), sharded={0: 2, 1: 2, 2: 2})
 
     repeats = world // math.gcd(kv_heads, world)
     inserted = nodes_with_target(gm, torch.repeat_interleave)
@@ -166,7 +192,7 @@ def test_gqa_replication_factor(heads: int, kv_heads: int, world: int) -> None:
     else:
         assert [n.args[1] for n in inserted] == [repeats, repeats]
         assert report.replicated_kv_heads == [f"{report.attention[0]}: {kv_heads} -> {kv_heads * repeats}"]
-    fake_propagate(gm, captured.example_inputs)
+    fake_propagate(gm, inputs)
     (match,) = find_attention(gm)
     assert fake_shape(match.key) == (1, kv_heads * repeats // world, local * world, 4)
     (out,) = output_values(gm)
@@ -175,9 +201,9 @@ def test_gqa_replication_factor(heads: int, kv_heads: int, world: int) -> None:
 
 def test_heads_not_divisible_by_sp_size() -> None:
     shard = SequenceShard.balanced(24, 2, 0)
-    captured = capture(TinyGPT(dim=24, heads=3), torch.zeros(B, shard.local_len, dtype=torch.long))
+    ids = torch.zeros(B, shard.local_len, dtype=torch.long)
     with pytest.raises(ValueError, match=r"must divide the number of attention heads \(3\).*\[1, 3\]"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+        pass_on(TinyGPT(dim=24, heads=3), shard, ids, sharded={0: 1})
 
 
 def test_untraced_flash_attention_is_rejected() -> None:
@@ -187,30 +213,43 @@ def test_untraced_flash_attention_is_rejected() -> None:
         return q.clone()
 
     q = torch.zeros(1, 4, 2, 8)
-    captured = capture(lambda q, k, v: flash_attn_func(q, k, v), q, q.clone(), q.clone())
-    shard = SequenceShard.balanced(8, 2, 0)
+    shard = SequenceShard.balanced(4, 2, 0)
+    qkv = {0: 2, 1: 2, 2: 2}
     with pytest.raises(NotImplementedError, match="flash_attn_func is not an attention call"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+        pass_on(lambda q, k, v: flash_attn_func(q, k, v), shard, q, q.clone(), q.clone(), sharded=qkv)
 
 
-def test_mask_computed_from_float_tokens_is_rejected() -> None:
-    # Integer per-token inputs are gathered and the mask rebuilt (tests/unit/test_packed.py); floats are not.
+def test_mask_from_a_float_per_token_input_is_rebuilt_from_the_gathered_input() -> None:
+    # Token data of any dtype (no gradient) is gathered and the mask recomputed for the whole sequence.
     shard = SequenceShard.balanced(12, 2, 0)
 
     def attention(q, k, v, keep):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :] > 0)
 
     q = torch.randn(1, 2, 6, 4)
-    captured = capture(attention, q, q.clone(), q.clone(), torch.ones(1, 6))
-    with pytest.raises(NotImplementedError, match="per-token data through the floating-point input"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    sharded = {0: 2, 1: 2, 2: 2, 3: 1}
+    gm, report, _ = pass_on(attention, shard, q, q.clone(), q.clone(), torch.ones(1, 6), sharded=sharded)
+    (gather,) = nodes_with_target(gm, torch.ops.autosp.gather_sequence.default)
+    assert gather.args[0].name == "l_keep_"
+    assert "rebuilt for the whole sequence" in report.masks[0]
+
+
+def test_mask_from_activations_is_refused() -> None:
+    shard = SequenceShard.balanced(12, 2, 0)
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=q.sum(-1)[:, :, None, :] > 0)
+
+    q = torch.randn(1, 2, 6, 4, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="attention mask computed from activations"):
+        pass_on(attention, shard, q, q.clone(), q.clone(), sharded={0: 2, 1: 2, 2: 2})
 
 
 def test_graph_without_attention() -> None:
     shard = SequenceShard.balanced(24, 2, 1)
     embedding = torch.nn.Embedding(VOCAB, 8)
-    captured = capture(lambda ids: embedding(ids).relu().sum(-1), torch.zeros(B, 12, dtype=torch.long))
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    ids = torch.zeros(B, 12, dtype=torch.long)
+    gm, report, _ = pass_on(lambda ids: embedding(ids).relu().sum(-1), shard, ids, sharded={0: 1})
     assert report.attention == [] and report.all_to_alls == 0
     assert not any(str(n.target).startswith("autosp.") for n in gm.graph.nodes)
     assert report.lines()[0] == "attention nodes: 0 (none)"
@@ -231,53 +270,26 @@ def test_graph_without_attention() -> None:
 )
 def test_positions_count_from_the_shard_offset(kind: str, global_len: int, rank: int, expected) -> None:
     rewritten = rewritten_step(kind, global_len, 2, rank)
-    positions = [
-        n for n in nodes_with_target(rewritten.gm, torch.arange) if not n.meta.get(_GLOBAL_MASK)
-    ]  # HF's rebuilt mask has its own, global-length aranges
+    positions = [  # HF's mask is rebuilt for the whole sequence with its own aranges (copies, "_global")
+        n for n in nodes_with_target(rewritten.gm, torch.arange) if not n.name.endswith("_global")
+    ]
     assert [n.args for n in positions] == [expected]
     assert len(rewritten.report.positions) == 1
 
 
-def test_positions_pass_leaves_other_aranges_alone() -> None:
-    graph = fx.Graph()
-    ranges = {
-        "positions": graph.call_function(torch.arange, (12,)),
-        "positions_end_kwarg": graph.call_function(torch.arange, (), {"end": 12, "dtype": torch.float32}),
-        "shorter": graph.call_function(torch.arange, (5,)),
-        "longer": graph.call_function(torch.arange, (24,)),
-        "offset": graph.call_function(torch.arange, (3, 15)),
-        "strided": graph.call_function(torch.arange, (0, 12, 2)),
-        "mask_copy": graph.call_function(torch.arange, (12,)),
-    }
-    ranges["mask_copy"].meta[_GLOBAL_MASK] = True
-    graph.output(tuple(ranges.values()))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    report = SPReport()
-
-    globalize_positions_pass(gm, SPContext(SequenceShard.balanced(24, 2, 1), GROUP), report)
-
-    assert ranges["positions"].args == (12, 24)
-    assert ranges["positions_end_kwarg"].args == (12, 24)
-    assert ranges["positions_end_kwarg"].kwargs == {"dtype": torch.float32}
-    assert ranges["shorter"].args == (5,)
-    assert ranges["longer"].args == (24,)
-    assert ranges["offset"].args == (3, 15)
-    assert ranges["strided"].args == (0, 12, 2)
-    assert ranges["mask_copy"].args == (12,)
-    assert len(report.positions) == 2
-
-
-def test_batch_size_equal_to_local_length_is_refused_for_positions() -> None:
-    # arange(B) and arange(S_r) look alike when B == S_r: refuse instead of guessing.
+def test_only_aranges_over_the_sequence_length_become_positions() -> None:
+    # B == S_r == 4 and a constant arange(4): the lengths are symbols, so neither is taken for positions.
     def step(ids):
         x = ids.float() + torch.arange(ids.shape[1])  # positions
         rows = torch.arange(ids.shape[0])  # batch indices, not positions
-        return x[rows, 0].sum()
+        fixed = torch.arange(4)  # a constant
+        return (x * rows[:, None]).sum() + fixed.sum()
 
-    captured = capture(step, torch.zeros(4, 4, dtype=torch.long))  # B == S_r == 4
-    shard = SequenceShard.balanced(8, 2, 1)
-    with pytest.raises(ValueError, match="cannot tell which sizes in arange"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    sequence_shard = SequenceShard.balanced(8, 2, 1)
+    gm, report, _ = pass_on(step, sequence_shard, torch.zeros(4, 4, dtype=torch.long), sharded={0: 1})
+    aranges = nodes_with_target(gm, torch.arange)
+    assert sorted(n.args for n in aranges) == [(4,), (4,), (4, 8)]
+    assert len(report.positions) == 1
 
 
 @pytest.mark.parametrize(("global_len", "rank"), [(24, 0), (24, 1), (61, 1)])
@@ -290,10 +302,10 @@ def test_window_mask_rebuilt_at_global_length(global_len: int, rank: int) -> Non
     for match in attention:
         mask = match.node.kwargs["attn_mask"]
         ones = [n for n in ancestors(mask) if n.target is torch.ones]
-        assert [n.args for n in ones] == [(global_len, global_len)]
+        assert [n.args[:2] for n in ones] == [(global_len, global_len)]
         assert not match.node.kwargs["is_causal"]
     # the per-rank masks are gone (dead code after the rewrite)
-    assert not [n for n in nodes_with_target(gm, torch.ones) if n.args == (local, local)]
+    assert not [n for n in nodes_with_target(gm, torch.ones) if n.args[:2] == (local, local)]
 
     fake_propagate(gm, rewritten.example_inputs)
     for match in attention:
@@ -314,19 +326,29 @@ def test_plain_causal_mask_becomes_is_causal(kind: str) -> None:
 
 def test_is_causal_mask_probes_past_the_window() -> None:
     """A sliding window equals causal at lengths below it: the probe must be longer than any constant."""
-    batch, shard = shard_batch(global_batch(B, 24), world=2, rank=0)
-    context = SPContext(shard, GROUP)
     for kind, causal in (("gpt-window", False), ("gpt-triu", True)):
+        tags = SequenceTags()
+        batch, sequence_shard = shard_and_tag(global_batch(B, 24), 2, 0, tags)
         captured = capture(training_step(kind), batch)
+        context = SPContext(sequence_shard, GROUP)
+        analysis = Analysis(captured.gm, captured.example_inputs, context, tags).run()
+        copier = GlobalCopier(captured.gm, analysis, context)
         masks = [m.attn_mask for m in find_attention(captured.gm)]
         assert len(masks) == 2
-        assert [is_causal_mask(captured.gm, m, context) for m in masks] == [causal, causal]
+        assert [is_causal_mask(copier, m) for m in masks] == [causal, causal]
 
 
-def test_hf_mask_when_batch_size_equals_local_length_is_refused() -> None:
-    # HF's mask expands to (B, 1, S, S): with B == S_r a rebuilt mask would be guessed wrong.
-    with pytest.raises(ValueError, match="cannot tell which sizes in the attention mask"):
-        rewritten_step("llama-kv2", 24, 2, 0, batch_size=12)
+@pytest.mark.parametrize("kind", ["llama-kv2", "gpt-window"])
+def test_batch_size_equal_to_the_shard_length_is_exact(kind: str) -> None:
+    # HF's mask is [B, 1, S, S]: with B == S_r the sizes are told apart by their symbols, not guessed.
+    lightning_module = module(kind)
+    batch = global_batch(12, 24)
+    loss, grads = single_device(lightning_module, batch)
+    simulated = simulate_step(lightning_module, batch, 2)
+    for rank_loss in simulated.losses:
+        torch.testing.assert_close(rank_loss, loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(simulated.grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -407,13 +429,13 @@ def test_sum_loss_is_all_reduced() -> None:
     def loss(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
-    captured = capture(loss, torch.randn(B, 12, 7), torch.zeros(B, 12, dtype=torch.long))
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    logits, labels = torch.randn(B, 12, 7), torch.zeros(B, 12, dtype=torch.long)
+    gm, report, _ = pass_on(loss, shard, logits, labels, sharded={0: 1, 1: 1})
     (cross_entropy,) = nodes_with_target(gm, F.cross_entropy)
     (total,) = nodes_with_target(gm, ALL_REDUCE_SUM)
     assert total.args == (cross_entropy, GROUP)
     assert output_values(gm) == (total,)
-    assert report.losses == [f"{cross_entropy.name}: sum over tokens"]
+    assert report.losses == [f"{cross_entropy.name}: partial sum -> all-reduce"]
 
 
 class SplitThenHead(torch.nn.Module):
@@ -432,10 +454,10 @@ class SplitThenHead(torch.nn.Module):
 
 def test_layout_survives_a_split() -> None:
     shard = SequenceShard.balanced(24, 2, 0)
-    captured = capture(SplitThenHead(), torch.zeros(B, shard.local_len, dtype=torch.long))
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    ids = torch.zeros(B, shard.local_len, dtype=torch.long)
+    gm, report, inputs = pass_on(SplitThenHead(), shard, ids, sharded={0: 1})
     assert len(report.slices) == 2  # logits[:, :-1] and ids[:, 1:]
-    fake_propagate(gm, captured.example_inputs)
+    fake_propagate(gm, inputs)
 
 
 def test_loss_without_sharded_inputs_is_left_alone() -> None:
@@ -444,22 +466,27 @@ def test_loss_without_sharded_inputs_is_left_alone() -> None:
     def losses(ids, logits, target):
         return ids.float().mean(), F.cross_entropy(logits, target)
 
-    captured = capture(losses, torch.zeros(B, 12, dtype=torch.long), torch.randn(5, 7), torch.zeros(5).long())
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    ids, logits, target = torch.zeros(B, 12, dtype=torch.long), torch.randn(5, 7), torch.zeros(5).long()
+    gm, report, _ = pass_on(losses, shard, ids, logits, target, sharded={0: 1})
     (cross_entropy,) = nodes_with_target(gm, F.cross_entropy)
     assert cross_entropy.kwargs.get("reduction", "mean") == "mean"
-    assert nodes_with_target(gm, ALL_REDUCE_SUM) == [] and report.losses == []
+    # the mean over the sharded ids is a sum, made whole once, over the global count
+    (total,) = nodes_with_target(gm, ALL_REDUCE_SUM)
+    mean, loss = output_values(gm)
+    assert mean.target is operator.truediv and mean.args == (total, B * 24)
+    assert loss is cross_entropy
 
 
-def test_unreduced_loss_is_rejected() -> None:
+def test_unreduced_loss_stays_per_token() -> None:
     shard = SequenceShard.balanced(24, 2, 0)
 
     def loss(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
 
-    captured = capture(loss, torch.randn(B, 12, 7), torch.zeros(B, 12, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="reduction='none'"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    logits, labels = torch.randn(B, 12, 7), torch.zeros(B, 12, dtype=torch.long)
+    gm, report, _ = pass_on(loss, shard, logits, labels, sharded={0: 1, 1: 1})
+    assert nodes_with_target(gm, ALL_REDUCE_SUM) == []
+    assert report.output_tags[0].layout.dims == (0,)  # one loss per (flattened) token
 
 
 def test_hand_written_attention_is_refused() -> None:
@@ -471,15 +498,16 @@ def test_hand_written_attention_is_refused() -> None:
         return (scores @ v).sum()
 
     shard = SequenceShard.balanced(24, 2, 0)
-    captured = capture(step, torch.randn(B, shard.local_len, 8))
-    with pytest.raises(NotImplementedError, match="scaled_dot_product_attention"):
-        sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    x = torch.randn(B, shard.local_len, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="attention written by hand.*scaled_dot_product_attention"):
+        pass_on(step, shard, x, sharded={0: 1})
 
 
 def test_q_and_k_cross_the_all_to_all_in_autocasts_dtype() -> None:
     # HF's rotary embeddings leave q and k in float32 under bf16 autocast (cos/sin are float32); SDPA
     # would cast them to bf16 after the all-to-all anyway, so the pass casts before it: half the bytes.
-    batch, shard = shard_batch(global_batch(2, 24), world=2, rank=0)
+    tags = SequenceTags()
+    batch, sequence_shard = shard_and_tag(global_batch(2, 24), 2, 0, tags)
     step = training_step("llama-kv2")
 
     def autocast_step(batch: dict) -> torch.Tensor:
@@ -487,7 +515,8 @@ def test_q_and_k_cross_the_all_to_all_in_autocasts_dtype() -> None:
             return step(batch)
 
     captured = capture(autocast_step, batch)
-    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, SPContext(shard, GROUP))
+    context = SPContext(sequence_shard, GROUP)
+    gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, context, tags)
     inputs = [n.args[0] for n in nodes_with_target(gm, SEQ_TO_HEAD)]
     assert len(inputs) == 6
     assert {example_value(n).dtype for n in inputs} == {torch.bfloat16}
@@ -498,12 +527,14 @@ def test_rewriting_runs_no_saved_tensor_hooks(gloo_group: str) -> None:
     """The pass computes fake values for the nodes it adds without autograd, so a user's saved-tensor
     hooks (MemoryMonitor's) are not called while compiling, which would make them unusable."""
     from lightning_autosp.compiler.backend import AutoSPBackend
-    from lightning_autosp.compiler.sp_pass import SPContext
 
     torch.manual_seed(0)
     model = TinyGPT()
     ids = torch.randint(0, VOCAB, (1, 16))
-    backend = AutoSPBackend(SPContext(SequenceShard.balanced(16, 1, 0), gloo_group), compiler="aot_eager")
+    tags = SequenceTags()
+    tags.mark(ids, Tag(shard(1), (16,)))
+    context = SPContext(SequenceShard.balanced(16, 1, 0), gloo_group)
+    backend = AutoSPBackend(context, tags=tags, compiler="aot_eager")
     packed_while_compiling = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""What every part of the SP pass needs to know about this rank: its shard and its process groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_autosp.data import SequenceShard
+
+
+@dataclass(frozen=True)
+class SPContext:
+    shard: SequenceShard
+    group_name: str
+    seq_dim: int = 1
+    # With ring_degree > 1: the sub-groups of the sp group (Note [Ring layouts] in data.py).
+    ulysses_group_name: str | None = None
+    ring_group_name: str | None = None
+
+    @property
+    def comm_args(self) -> tuple[list[int], int, str]:
+        return list(self.shard.seq_lens), self.shard.rank, self.group_name
+
+    @property
+    def ulysses_comm_args(self) -> tuple[list[int], int, str]:
+        """The all-to-all's arguments over this rank's Ulysses group (all of sp when ring_degree is 1)."""
+        if self.shard.ring_degree == 1:
+            return self.comm_args
+        return list(self.shard.ulysses_seq_lens), self.shard.ulysses_rank, self.ulysses_group_name
+
+    def owned(self, length: int) -> list[int]:
+        """Global positions this rank owns of a sequence-derived tensor of ``length`` positions."""
+        return self.shard.positions(length)
+
+    def owned_count(self, length: int) -> int:
+        return len(self.shard.positions(length))

@@ -1,0 +1,145 @@
+"""FX helpers every part of the compiler shares: reading values and arguments off Dynamo nodes,
+inserting nodes with fake values, and naming the user's source line of a node."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+
+def example_value(node: object) -> torch.Tensor | None:
+    """The fake tensor Dynamo (or a pass) recorded for ``node``, if it is a tensor."""
+    value = meta_value(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def meta_value(node: object) -> object:
+    """Whatever value was recorded for ``node``: a fake tensor, a SymInt, a tuple of them, None."""
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def first_tensor_value(node: object) -> torch.Tensor | None:
+    """The example value of a node, or of the first tensor of a tuple-valued node (split, chunk)."""
+    value = meta_value(node)
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((item for item in value if isinstance(item, torch.Tensor)), None)
+    return None
+
+
+def bind(node: fx.Node, signature: inspect.Signature) -> dict[str, object]:
+    """The node's call arguments by parameter name, defaults filled in."""
+    args = node.args[1:] if node.op == "call_method" else node.args
+    bound = signature.bind(*args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def op_name(node: fx.Node) -> str:
+    """A short name for what ``node`` calls: a method name, a function's name, an op's name."""
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    packet = getattr(target, "_overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    name = getattr(target, "__name__", None)
+    return name if isinstance(name, str) else str(target)
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return seen
+
+
+def call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` and record its fake value, as Dynamo does for its nodes."""
+    node = graph.call_function(target, args, kwargs or {})
+    set_fake_value(node)
+    return node
+
+
+def redirect_uses(node: fx.Node, replacement: fx.Node, keep: fx.Node | None = None) -> None:
+    """Point every user of ``node`` at ``replacement``, except the node that wraps ``node`` itself."""
+    keep = keep if keep is not None else replacement
+    node.replace_all_uses_with(replacement, delete_user_cb=lambda user: user is not keep)
+
+
+def set_fake_value(node: fx.Node) -> None:
+    """Compute ``node``'s fake value from its inputs' (a convenience for later passes, not a must)."""
+    fake_args = fx.node.map_arg(node.args, meta_value)
+    fake_kwargs = fx.node.map_arg(node.kwargs, meta_value)
+    inputs = flatten([fake_args, fake_kwargs])
+    fake = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
+    mode = getattr(fake, "fake_mode", None) or _fake_mode_of(node.graph)
+    if mode is None:
+        return
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(v, torch.Tensor) and v.requires_grad for v in inputs
+    )
+    try:
+        # Without autograd: recording it would call the user's saved-tensor hooks (MemoryMonitor's)
+        # from inside the compiler.
+        with mode, torch.no_grad():
+            target = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
+            value = target(*fake_args, **fake_kwargs)
+    except Exception as error:
+        log.debug("no fake value for %s: %s", node.name, error)
+        return
+    for tensor in flatten([value]):
+        if needs_grad and isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            tensor.requires_grad_()
+    node.meta["example_value"] = value
+
+
+def _fake_mode_of(graph: fx.Graph) -> object | None:
+    """The fake mode of the graph's traced values (for nodes without tensor inputs, e.g. ``torch.ones``)."""
+    for node in graph.nodes:
+        mode = getattr(node.meta.get("example_value"), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def flatten(value: object) -> list[object]:
+    """Every leaf of nested tuples, lists, dicts and slices (an index ``x[:, :T]`` holds T in a slice)."""
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in flatten(item)]
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in flatten(item)]
+    if isinstance(value, slice):
+        return flatten([value.start, value.stop, value.step])
+    return [value]
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n\s*(?P<code>[^\n]*)')
+
+
+def source_line(node: fx.Node) -> str:
+    """Where the user's code made ``node``: ``file:line in function: code``, from Dynamo's stack trace."""
+    frames = list(_FRAME.finditer(node.meta.get("stack_trace") or ""))
+    if not frames:
+        return f"graph node {node.name}"
+    frame = frames[-1]
+    return f"{frame['file']}:{frame['line']} in {frame['function']}: {frame['code'].strip()}"
+
+
+def users_of(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    return {user for node in nodes for user in node.users}

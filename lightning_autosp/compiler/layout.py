@@ -1,0 +1,136 @@
+"""Sequence layouts: where the elements of a value live relative to the sequence.
+
+Note [Sequence layouts]
+    Like DTensor's placements, but for one axis, the sequence, split over the P ranks of an sp group:
+
+    - ``REPLICATE``: the same on every rank and nothing in it depends on which tokens a rank holds
+      (parameters, constants, the loss once reduced).
+    - ``shard(d, ...)``: dims ``d`` are indexed by this rank's tokens, and the local value is exactly
+      this rank's part of the single-device value (after the pass's rewrites). Two dims make a
+      pairwise value, like an [S_r, S_r] block of a mask.
+    - ``PARTIAL``: a sum over this rank's tokens: the single-device value is the sum over ranks,
+      which one all-reduce computes, where a consumer needs it (DTensor's ``Partial``).
+    - ``global_(d, ...)``: dims ``d`` are indexed by all S tokens on every rank (a mask rebuilt for the
+      whole sequence and handed to the next graph).
+    - ``CAUSAL``: a mask that is exactly causal, handed to the next graph as this tag; attention
+      drops it for ``is_causal=True``.
+
+    The analysis (``analysis.py``) gives every value of a graph a layout, from its inputs' layouts
+    and one rule per op (``rules.py``); a value between graphs (a graph break, DDP's buckets) carries
+    its layout as a tag on the tensor (``SequenceTags``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+Kind = Literal["replicate", "shard", "partial", "global", "causal", "refused"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``dims``: the tensor dims indexed by tokens; ``flat``: those of them that also run over other dims
+    (``[B, S_r, V] -> [B * S_r, V]``): per-token ops and reductions work on them, slices do not."""
+
+    kind: Kind
+    dims: tuple[int, ...] = ()
+    flat: tuple[int, ...] = ()
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind == "shard"
+
+    @property
+    def is_pairwise(self) -> bool:
+        return self.kind in ("shard", "global") and len(self.dims) > 1
+
+    def mapped(self, where: dict[int, int | None]) -> Layout:
+        """This layout after its dims moved (``where[d]``: the new index of dim d; None: dim d is gone)."""
+        dims = tuple(sorted(where[d] for d in self.dims if where.get(d) is not None))
+        flat = tuple(sorted(where[d] for d in self.flat if where.get(d) is not None))
+        if self.kind in ("shard", "global") and not dims:
+            return REPLICATE
+        return Layout(self.kind, dims, flat)
+
+    def __str__(self) -> str:
+        if self.kind in ("shard", "global"):
+            return f"{self.kind}({', '.join(map(str, self.dims))})"
+        return self.kind
+
+
+REPLICATE = Layout("replicate")
+PARTIAL = Layout("partial")
+CAUSAL = Layout("causal")
+# A value the analysis refused: its users are not judged again (the first refusal names the cause).
+REFUSED = Layout("refused")
+
+
+def shard(*dims: int, flat: tuple[int, ...] = ()) -> Layout:
+    return Layout("shard", tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+
+
+def global_(*dims: int) -> Layout:
+    return Layout("global", tuple(sorted(dims))) if dims else REPLICATE
+
+
+@dataclass(frozen=True)
+class Tag:
+    """A tensor's layout between graphs, with the global size of each of its sequence dims."""
+
+    layout: Layout
+    global_sizes: tuple[int, ...] = ()
+
+
+def _same_view(view: torch.Tensor, base: torch.Tensor) -> bool:
+    return (
+        view.shape == base.shape
+        and view.stride() == base.stride()
+        and view.storage_offset() == base.storage_offset()
+        and view.dtype == base.dtype
+    )
+
+
+@dataclass
+class SequenceTags:
+    """The layouts of tensors that cross from one compiled graph (or the data layer) to the next.
+
+    The strategy tags each sharded batch tensor; every compiled graph tags its outputs when it runs
+    (for real, or on fake tensors while DDP compiles its buckets), so the next graph knows which of
+    its inputs hold sequence shards without guessing from their sizes.
+    """
+
+    _tags: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
+
+    def mark(self, tensor: torch.Tensor, tag: Tag) -> None:
+        self._tags[tensor] = tag
+        if tag.layout.is_shard and not isinstance(tensor, torch._subclasses.FakeTensor):
+            # The next graph traces these dims as symbols (Note [Symbolic sequence lengths]).
+            for dim in tag.layout.dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+    def get(self, tensor: object) -> Tag | None:
+        """The tag of ``tensor``, or of the tensor it is a whole alias of (a custom ``autograd.Function``
+        that returns its input, as FSDP2's post-forward hook does, hands on such a view)."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        tag = self._tags.get(tensor)
+        base = tensor._base
+        if tag is None and base is not None and _same_view(tensor, base):
+            tag = self._tags.get(base)
+        return tag
+
+    def mark_batch(self, batch: object, sharded: list[torch.Tensor], seq_dim: int, global_len: int) -> None:
+        """Tag a batch's tensors: ``sharded`` hold this rank's slice of ``global_len`` tokens along
+        ``seq_dim``; every other tensor is replicated (the same on every rank of the sp group)."""
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        ids = {id(t) for t in sharded}
+        for tensor in sharded:
+            self.mark(tensor, Tag(shard(seq_dim), (global_len,)))
+        apply_to_collection(
+            batch, torch.Tensor, lambda t: None if id(t) in ids else self.mark(t, Tag(REPLICATE))
+        )

@@ -1,0 +1,289 @@
+"""Rules for ops that act on each element (with broadcasting): the layout propagates.
+
+A sum over tokens (``PARTIAL``) survives the ops that are linear in it (adding another partial sum,
+scaling by a replicated value, a cast); any other op needs the whole value first, so the analysis
+plans an all-reduce of it (Note [Sequence layouts]).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, global_, shard
+from lightning_autosp.compiler.rules.common import ndim, tensor_nodes
+
+# Ops applied to each element of their tensor inputs, with broadcasting.
+POINTWISE = {
+    *[
+        "abs",
+        "absolute",
+        "acos",
+        "acosh",
+        "add",
+        "addcdiv",
+        "addcmul",
+        "and_",
+        "angle",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "bitwise_and",
+        "bitwise_left_shift",
+        "bitwise_not",
+        "bitwise_or",
+        "bitwise_right_shift",
+        "bitwise_xor",
+        "ceil",
+        "celu",
+        "clamp",
+        "clamp_max",
+        "clamp_min",
+        "clip",
+        "copysign",
+        "cos",
+        "cosh",
+        "deg2rad",
+        "div",
+        "divide",
+        "elu",
+        "eq",
+        "erf",
+        "erfc",
+        "erfinv",
+        "exp",
+        "exp2",
+        "expm1",
+        "fix",
+        "float_power",
+        "floor",
+        "floor_divide",
+        "floordiv",
+        "fmax",
+        "fmin",
+        "fmod",
+        "frac",
+        "ge",
+        "gelu",
+        "glu",
+        "gt",
+        "hardshrink",
+        "hardsigmoid",
+        "hardswish",
+        "hardtanh",
+        "heaviside",
+        "hypot",
+        "i0",
+        "invert",
+        "isfinite",
+        "isinf",
+        "isnan",
+        "isneginf",
+        "isposinf",
+        "le",
+        "leaky_relu",
+        "lerp",
+        "lgamma",
+        "log",
+        "log10",
+        "log1p",
+        "log2",
+        "logaddexp",
+        "logaddexp2",
+        "logical_and",
+        "logical_not",
+        "logical_or",
+        "logical_xor",
+        "logit",
+        "logsigmoid",
+        "lt",
+        "masked_fill",
+        "maximum",
+        "minimum",
+        "mish",
+        "mod",
+        "mul",
+        "multiply",
+        "nan_to_num",
+        "ne",
+        "neg",
+        "negative",
+        "nextafter",
+        "not_equal",
+        "or_",
+        "pos",
+        "positive",
+        "pow",
+        "prelu",
+        "rad2deg",
+        "reciprocal",
+        "relu",
+        "relu6",
+        "remainder",
+        "round",
+        "rrelu",
+        "rsqrt",
+        "rsub",
+        "selu",
+        "sgn",
+        "sigmoid",
+        "sign",
+        "signbit",
+        "silu",
+        "sin",
+        "sinc",
+        "sinh",
+        "softplus",
+        "softshrink",
+        "sqrt",
+        "square",
+        "sub",
+        "subtract",
+        "tan",
+        "tanh",
+        "tanhshrink",
+        "threshold",
+        "true_divide",
+        "truediv",
+        "trunc",
+        "where",
+        "xlogy",
+        "xor",
+        "dropout",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+        "native_dropout",
+    ],
+    # casts and copies
+    *[
+        "to",
+        "type",
+        "type_as",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "int",
+        "long",
+        "short",
+        "bool",
+        "byte",
+        "char",
+        "cpu",
+        "cuda",
+        "contiguous",
+        "clone",
+        "detach",
+        "requires_grad_",
+        "view_as_real",
+        "view_as_complex",
+        "real",
+        "imag",
+        "conj",
+        "resolve_conj",
+        "resolve_neg",
+    ],
+}
+# In-place forms: the result is the first argument, which must keep its layout.
+IN_PLACE = {f"{name}_" for name in POINTWISE} | {
+    *[
+        "iadd",
+        "isub",
+        "imul",
+        "itruediv",
+        "ifloordiv",
+        "imod",
+        "ipow",
+        "iand",
+        "ior",
+        "ixor",
+        "ilshift",
+        "irshift",
+        "fill_",
+        "zero_",
+    ]
+}
+# Ops linear in one partial sum: sum_r f(x_r) = f(sum_r x_r) for replicated other operands.
+_LINEAR_IN_ONE = {"mul", "multiply", "imul", "div", "divide", "truediv", "true_divide", "itruediv"}
+_LINEAR_IN_ALL = {"add", "sub", "subtract", "iadd", "isub", "neg", "negative", "pos", "positive"}
+_CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "detach"}
+
+
+def pointwise(a, node: fx.Node) -> Layout:
+    tensors = tensor_nodes([*node.args, *node.kwargs.values()])
+    layouts = [a.layout(t) for t in tensors]
+    if PARTIAL in layouts:
+        if _linear_in_partial(node, tensors, layouts):
+            return PARTIAL
+        for tensor in tensors:
+            a.materialize(tensor)
+        layouts = [REPLICATE if layout == PARTIAL else layout for layout in layouts]
+    if CAUSAL in layouts:
+        if any(layout not in (CAUSAL, REPLICATE) for layout in layouts):
+            return a.refuse(
+                node,
+                "combines a causal mask handed on from the previous graph with other sequence data",
+                "Build the combined mask in the graph where attention uses it (avoid a graph break "
+                "between them)",
+            )
+        return CAUSAL
+    out_rank = ndim(node)
+    local, whole, flat = set(), set(), set()
+    for tensor, layout in zip(tensors, layouts):
+        offset = out_rank - ndim(tensor)
+        dims = {d + offset for d in layout.dims}
+        (local if layout.kind == "shard" else whole).update(dims)
+        flat.update(d + offset for d in layout.flat)
+    if local & whole:
+        return a.refuse(
+            node,
+            "combines a value indexed by all tokens (a mask rebuilt for the whole sequence) with "
+            "this rank's tokens",
+            "Use the mask only as attention's attn_mask",
+        )
+    if whole:
+        a.plan.global_shapes[node] = None
+        return global_(*whole)
+    return shard(*local, flat=tuple(flat & local))
+
+
+def in_place(a, node: fx.Node) -> Layout:
+    result = pointwise(a, node)
+    target = node.args[0] if node.args else None
+    if isinstance(target, fx.Node) and result != a.layout(target) and a.layout(target) != PARTIAL:
+        return a.refuse(
+            node,
+            f"writes a value of layout {result} in place into {target.name} ({a.layout(target)})",
+            "Assign the result to a new tensor instead of updating one in place",
+        )
+    return result
+
+
+def _linear_in_partial(node: fx.Node, tensors: list[fx.Node], layouts: list[Layout]) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    scalars = [v for v in [*node.args, *node.kwargs.values()] if not isinstance(v, fx.Node)]
+    partial = [t for t, layout in zip(tensors, layouts) if layout == PARTIAL]
+    if name in _CASTS or (name in ("neg", "negative", "pos", "positive")):
+        return True
+    if name in _LINEAR_IN_ALL:
+        # Every tensor operand a partial sum; a scalar added on each rank would be added P times.
+        return len(partial) == len(tensors) and not any(isinstance(v, (int, float)) and v for v in scalars)
+    if name in _LINEAR_IN_ONE:
+        if len(partial) != 1 or any(layout not in (PARTIAL, REPLICATE) for layout in layouts):
+            return False
+        return name in ("mul", "multiply", "imul") or node.args[0] is partial[0]
+    return False
+
+
+def dropout_over_channels(a, node: fx.Node) -> Layout:
+    """dropout1d/2d/3d drop whole channels across the spatial dims: across the sequence, one mask."""
+    layout = a.layout(node.args[0])
+    if layout.is_shard and any(d >= 2 for d in layout.dims):
+        return a.refuse(
+            node,
+            "drops channels with one random mask across the sequence, which each rank would draw for "
+            "its tokens",
+            "Use F.dropout, or put the sequence in the channel dim",
+        )
+    return layout

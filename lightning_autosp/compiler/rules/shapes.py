@@ -1,0 +1,442 @@
+"""Rules for ops that move, cut, join or create dims: views, slices, indexing, concatenation, factories.
+
+A view that keeps the sequence dim, or flattens it with its outer dims, propagates; slices and right
+pads along the sequence are rewritten to slice the global sequence (``slices.py``); positions
+(``arange`` over the length, a table sliced by it) become this rank's positions (``positions.py``);
+anything that picks tokens by index along the sequence is recomputed for the whole sequence when it is
+token data and refused otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler.fx_utils import flatten, meta_value
+from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard
+from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, tensor_nodes
+
+_INDEX_FIX = "Index along the sequence in the data pipeline, or keep the op per token"
+
+
+def _sequence_dims_of_output(a, node: fx.Node) -> set[int]:
+    """Dims of ``node``'s traced shape whose size is a sequence length (factories, expand)."""
+    shape = a.shape(node) or ()
+    return {d for d, expr in enumerate(shape) if a.has_sequence_symbol(expr)}
+
+
+def _partial_passes(a, node: fx.Node) -> Layout | None:
+    """Views, slices and selections are linear: a partial sum stays one."""
+    return PARTIAL if a.layout(node.args[0]) == PARTIAL else None
+
+
+# --------------------------------------------------------------------------------------------------
+# views
+
+
+def view(a, node: fx.Node) -> Layout:
+    """view / reshape / flatten / unflatten / squeeze / unsqueeze / view_as / reshape_as."""
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    partial = _partial_passes(a, node)
+    if partial:
+        return partial
+    source = node.args[0]
+    layout = a.layout(source)
+    in_shape, out_shape = a.shape(source), a.shape(node)
+    if in_shape is None or out_shape is None or layout.kind not in ("shard", "global"):
+        return layout
+    hints_in = [symbols.hint(v) for v in meta_value(source).shape]
+    hints_out = [symbols.hint(v) for v in meta_value(node).shape]
+    dims, flat = set(), set()
+    for group_in, group_out in _view_groups(hints_in, hints_out):
+        seq_in = [d for d in group_in if d in layout.dims]
+        if not seq_in:
+            continue
+        carriers = [d for d in group_out if a.has_sequence_symbol(out_shape[d])]
+        if len(seq_in) > 1 or len(carriers) != 1 or (len(group_in) > 1 and len(group_out) > 1):
+            return a.refuse(
+                node,
+                f"reshapes the sequence dim {seq_in} of {tuple(in_shape)} into {tuple(out_shape)} in "
+                "a way that "
+                "mixes it with another dim",
+                "Keep the sequence dim whole in views (flattening it with the dims before it is fine)",
+            )
+        (out_dim,) = carriers
+        dims.add(out_dim)
+        merged = len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in seq_in)
+        if merged or any(d in layout.flat for d in seq_in) and len(group_out) == 1:
+            flat.add(out_dim)
+    return Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+
+
+def _view_groups(shape_in: list[int], shape_out: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input and output dims with equal products (size-1 dims join the run before them)."""
+    groups, i, j = [], 0, 0
+    while i < len(shape_in) or j < len(shape_out):
+        group_in, group_out, size_in, size_out = [], [], 1, 1
+        while True:
+            if (size_in <= size_out or j >= len(shape_out)) and i < len(shape_in):
+                size_in *= shape_in[i]
+                group_in.append(i)
+                i += 1
+            elif j < len(shape_out):
+                size_out *= shape_out[j]
+                group_out.append(j)
+                j += 1
+            else:
+                break
+            if size_in == size_out:
+                while i < len(shape_in) and shape_in[i] == 1:
+                    group_in.append(i)
+                    i += 1
+                while j < len(shape_out) and shape_out[j] == 1:
+                    group_out.append(j)
+                    j += 1
+                break
+        groups.append((group_in, group_out))
+    return groups
+
+
+def permute(a, node: fx.Node) -> Layout:
+    """permute / transpose / swapaxes / movedim / t / T / mT."""
+    partial = _partial_passes(a, node)
+    if partial:
+        return partial
+    layout = a.layout(node.args[0])
+    rank = ndim(node.args[0])
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    order = list(range(rank))
+    if name == "permute":
+        order = normalize_dims(flatten([list(node.args[1:]), node.kwargs.get("dims", [])]), rank)
+    elif name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = normalize_dims([arg(node, 1, "dim0"), arg(node, 2, "dim1")], rank)
+        order[d0], order[d1] = order[d1], order[d0]
+    elif name in ("t", "T", "mT"):
+        order[-2:] = order[-2:][::-1] if rank >= 2 else order[-2:]
+    elif name == "movedim":
+        source = normalize_dims(arg(node, 1, "source"), rank)
+        destination = normalize_dims(arg(node, 2, "destination"), rank)
+        rest = [d for d in range(rank) if d not in source]
+        order = [None] * rank
+        for s, d in zip(source, destination):
+            order[d] = s
+        order = [d if d is not None else rest.pop(0) for d in order]
+    return layout.mapped({old: new for new, old in enumerate(order)})
+
+
+def expand(a, node: fx.Node) -> Layout:
+    """expand / expand_as / broadcast_to / repeat: a new sequence-sized dim repeats one value."""
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    partial = _partial_passes(a, node)
+    if partial:
+        return partial
+    source = node.args[0]
+    layout = a.layout(source)
+    offset = ndim(node) - ndim(source)
+    dims = {d + offset for d in layout.dims}
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name == "repeat":
+        repeats = [
+            symbols.hint(meta_value(r) if isinstance(r, fx.Node) else r) for r in flatten(list(node.args[1:]))
+        ]
+        if any(repeats[d] != 1 for d in dims if d < len(repeats)):
+            return a.refuse(node, "repeats values along the sequence", "Repeat along other dims only")
+    dims |= _sequence_dims_of_output(a, node)
+    if layout.kind == "global":
+        return Layout("global", tuple(sorted(dims)))
+    return shard(*dims, flat=tuple(d + offset for d in layout.flat))
+
+
+# --------------------------------------------------------------------------------------------------
+# slices and indexing
+
+
+def getitem(a, node: fx.Node) -> object:
+    source, index = node.args
+    layouts = a.layouts.get(source)
+    if isinstance(layouts, tuple):  # an element of a tuple-valued op (split, topk, max(dim))
+        return layouts[index] if isinstance(index, int) and index < len(layouts) else REPLICATE
+    if not isinstance(meta_value(source), torch.Tensor):
+        return REPLICATE
+    items = list(index) if isinstance(index, tuple) else [index]
+    rank = ndim(source)
+    explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
+    if Ellipsis in items:
+        position = items.index(Ellipsis)
+        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    items += [slice(None)] * (rank - sum(1 for item in items if item is not None))
+    tensor_items = [
+        item for item in items if isinstance(item, fx.Node) and isinstance(meta_value(item), torch.Tensor)
+    ]
+    if tensor_items:
+        return _advanced_index(a, node, items, tensor_items)
+    a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
+    layout = a.layout(source)
+    if layout == PARTIAL:
+        return PARTIAL
+    where, in_dim, out_dim = {}, 0, 0
+    sliced_sequence, table_dims = False, []
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        if isinstance(item, slice):
+            if in_dim in layout.dims and not _is_full(a, item):
+                sliced_sequence = True
+                if in_dim in layout.flat:
+                    return a.mixes(
+                        node, "slices a dim that flattens tokens with other dims", layout, _INDEX_FIX
+                    )
+                if item.step not in (None, 1):
+                    return a.mixes(node, "takes a strided slice", layout, "Use step 1 along the sequence")
+            elif layout == REPLICATE and _bounded_by_length(a, item):
+                table_dims.append((item, out_dim))
+            where[in_dim] = out_dim
+            out_dim += 1
+        else:  # an int: selects one position
+            if in_dim in layout.dims:
+                return a.mixes(
+                    node,
+                    "selects single positions",
+                    layout.mapped(where),
+                    "Pool over the sequence (e.g. a mean) or select the position in the data pipeline",
+                )
+            where[in_dim] = None
+        in_dim += 1
+    if len(table_dims) == 1:
+        return _table_slice(a, node, *table_dims[0])
+    if table_dims:  # buffer[:T, :T]: a [T, T] block of a mask, rebuilt where attention uses it
+        return shard(*(dim for _, dim in table_dims))
+    if sliced_sequence:
+        if layout.kind != "shard" or layout.is_pairwise:
+            return a.mixes(node, "slices a mask along the sequence", layout.mapped(where), _INDEX_FIX)
+        a.plan.slices.append(node)
+    return layout.mapped(where)
+
+
+def _is_full(a, item: slice) -> bool:
+    return item.start in (None, 0) and item.step in (None, 1) and item.stop is None
+
+
+def _bounded_by_length(a, item: slice) -> bool:
+    return any(a.has_sequence_symbol(a.size_expr(v)) for v in (item.start, item.stop, item.step))
+
+
+def _table_slice(a, node: fx.Node, item: slice, out_dim: int) -> Layout:
+    """``table[:T]`` of a replicated table (learned positions, a rope cache): rows at this rank's "
+    "positions."""
+    start, step = a.size_expr(item.start), a.size_expr(item.step)
+    if (item.start is not None and start != 0) or (item.step is not None and step != 1):
+        return a.refuse(
+            node,
+            f"slices a replicated table by the sequence length with start {item.start} / step {item.step}",
+            "Slice position tables from 0 (table[:T]), or index them with position ids",
+        )
+    a.plan.tables.append(node)
+    return shard(out_dim)
+
+
+def _advanced_index(a, node: fx.Node, items: list, tensor_items: list[fx.Node]) -> Layout:
+    """``x[..., idx, ...]``: one tensor index on a dim that is not the sequence (a table looked up by
+    per-token ids) propagates; indexing along the sequence is recomputed (token data) or refused."""
+    source = node.args[0]
+    layout = a.layout(source)
+    indexed = [d for d, item in enumerate(i for i in items if i is not None) if isinstance(item, fx.Node)]
+    cut = any(
+        isinstance(item, slice) and d in layout.dims and not _is_full(a, item) for d, item in enumerate(items)
+    )
+    index_layouts = [a.layout(t) for t in tensor_items]
+    if len(tensor_items) > 1 or cut or any(d in layout.dims for d in indexed):
+        out = shard(*_sequence_dims_of_output(a, node))
+        return a.mixes(node, "indexes along the sequence with a tensor of indices", out, _INDEX_FIX)
+    if layout.kind not in ("shard", "replicate") or index_layouts[0].kind not in ("shard", "replicate"):
+        return a.refuse(node, "indexes a value of layout {layout} by {index_layouts[0]}", _INDEX_FIX)
+    (position,) = indexed
+    index_rank = ndim(tensor_items[0])
+    where = {d: (d if d < position else d - 1 + index_rank) for d in range(ndim(source)) if d != position}
+    out = layout.mapped(where)
+    dims = set(out.dims) | {position + d for d in index_layouts[0].dims}
+    flat = set(out.flat) | {position + d for d in index_layouts[0].flat}
+    return shard(*dims, flat=tuple(flat))
+
+
+def narrow(a, node: fx.Node) -> Layout:
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    if layout == PARTIAL:
+        return PARTIAL
+    dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
+    if layout == REPLICATE and a.has_sequence_symbol(a.size_expr(arg(node, 3, "length"))):
+        return _table_slice(a, node, slice(arg(node, 2, "start"), None), dim)
+    if dim in layout.dims:
+        if dim in layout.flat or layout.kind != "shard" or layout.is_pairwise:
+            return a.mixes(node, "narrows a flattened or pairwise sequence dim", layout, _INDEX_FIX)
+        a.plan.slices.append(node)
+    return layout
+
+
+def select(a, node: fx.Node) -> Layout:
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    if layout == PARTIAL:
+        return PARTIAL
+    dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
+    where = {d: (d if d < dim else d - 1) for d in range(rank) if d != dim}
+    if dim in layout.dims:
+        return a.mixes(node, "selects single positions", layout.mapped(where), _INDEX_FIX)
+    return layout.mapped(where)
+
+
+def index_along(a, node: fx.Node) -> Layout:
+    """index_select / gather / take_along_dim / scatter / index_add / index_copy / index_fill."""
+    rank = ndim(node.args[0])
+    dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
+    layouts = [a.layout(t) for t in tensor_nodes(node.args)]
+    if any(layout == PARTIAL for layout in layouts):
+        for tensor in tensor_nodes(node.args):
+            a.materialize(tensor)
+    sequence = set().union(*(set(layout.dims) for layout in layouts if layout.kind == "shard"))
+    if dim in sequence or any(layout.kind not in ("shard", "replicate", "partial") for layout in layouts):
+        return a.mixes(
+            node, "indexes along the sequence", shard(*_sequence_dims_of_output(a, node)), _INDEX_FIX
+        )
+    return shard(*sequence)
+
+
+def pad(a, node: fx.Node) -> Layout:
+    a.shape_use(*node.args[1:])
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    pads = list(arg(node, 1, "pad"))
+    touched = [rank - 1 - i for i in range(len(pads) // 2) if (pads[2 * i], pads[2 * i + 1]) != (0, 0)]
+    sequence = [d for d in touched if d in layout.dims]
+    if not sequence:
+        return layout
+    left = pads[2 * (rank - 1 - sequence[0])]
+    mode = arg(node, 2, "mode", "constant")
+    if (
+        left
+        or mode != "constant"
+        or len(sequence) > 1
+        or sequence[0] in layout.flat
+        or layout.kind != "shard"
+    ):
+        return a.mixes(
+            node,
+            "pads the start of the sequence (or pads it other than with a constant)",
+            layout,
+            "Pad at the end of the sequence, or in the data pipeline",
+        )
+    a.plan.slices.append(node)
+    return layout
+
+
+# --------------------------------------------------------------------------------------------------
+# joining and splitting
+
+
+def cat(a, node: fx.Node) -> Layout:
+    tensors = tensor_nodes([arg(node, 0, "tensors")])
+    layouts = [a.layout(t) for t in tensors]
+    rank = ndim(node)
+    dim = normalize_dims(arg(node, 1, "dim", 0), rank)[0]
+    if all(layout == PARTIAL for layout in layouts):
+        return PARTIAL
+    for tensor in tensors:
+        a.materialize(tensor)
+    dims = {d for layout in layouts for d in layout.dims}
+    if dim in dims:
+        return a.mixes(
+            node, "concatenates along the sequence", shard(*dims), "Concatenate in the data pipeline"
+        )
+    if len({layout for layout in layouts if layout != PARTIAL}) > 1:
+        return a.refuse(
+            node, "concatenates values of different sequence layouts", "Concatenate like with like"
+        )
+    return layouts[0] if layouts[0] != PARTIAL else REPLICATE
+
+
+def stack(a, node: fx.Node) -> Layout:
+    tensors = tensor_nodes([arg(node, 0, "tensors")])
+    layouts = [a.layout(t) for t in tensors]
+    if all(layout == PARTIAL for layout in layouts):
+        return PARTIAL
+    for tensor in tensors:
+        a.materialize(tensor)
+    layouts = [REPLICATE if layout == PARTIAL else layout for layout in layouts]
+    if len(set(layouts)) > 1:
+        return a.refuse(node, "stacks values of different sequence layouts", "Stack like with like")
+    dim = normalize_dims(arg(node, 1, "dim", 0), ndim(node))[0]
+    return layouts[0].mapped({d: (d if d < dim else d + 1) for d in range(ndim(node) - 1)})
+
+
+def split(a, node: fx.Node) -> tuple[Layout, ...]:
+    """split / chunk / tensor_split / split_with_sizes / unbind: a tuple of pieces."""
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    dim_arg = arg(node, 1, "dim", 0) if name == "unbind" else arg(node, 2, "dim", 0)
+    dim = normalize_dims(dim_arg, rank)[0]
+    pieces = len(meta_value(node)) if isinstance(meta_value(node), (tuple, list)) else 1
+    if layout == PARTIAL:
+        return (PARTIAL,) * pieces
+    if dim in layout.dims:
+        a.refuse(node, "splits the sequence into pieces", "Split along other dims")
+        return (layout,) * pieces
+    if name == "unbind":
+        layout = layout.mapped({d: (d if d < dim else d - 1) for d in range(rank) if d != dim})
+    return (layout,) * pieces
+
+
+# --------------------------------------------------------------------------------------------------
+# factories
+
+
+def factory(a, node: fx.Node) -> Layout:
+    """zeros / ones / full / empty / rand* / new_* of a shape: a sequence-sized dim holds one value."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    shape_args = node.args[1:] if name.startswith("new_") else node.args
+    if name in ("full", "new_full"):
+        shape_args = shape_args[:1]
+    a.shape_use(*shape_args, node.kwargs.get("size"))
+    return shard(*_sequence_dims_of_output(a, node))
+
+
+def like(a, node: fx.Node) -> Layout:
+    """zeros_like / ones_like / full_like / empty_like / rand_like: the layout of the model tensor."""
+    layout = a.layout(node.args[0])
+    return REPLICATE if layout == PARTIAL else layout
+
+
+def arange(a, node: fx.Node) -> Layout:
+    a.shape_use(*node.args, *[v for k, v in node.kwargs.items() if k in ("start", "end", "step")])
+    values = list(node.args)
+    if len(values) == 1:
+        values = [0, values[0]]
+    start = a.size_expr(values[0] if values else node.kwargs.get("start", 0))
+    end = a.size_expr(values[1] if len(values) > 1 else node.kwargs.get("end"))
+    step = a.size_expr(values[2] if len(values) > 2 else node.kwargs.get("step", 1))
+    if start != 0 or step != 1 or len(symbols.symbols_of(end)) != 1 or a.has_sequence_symbol(start):
+        return a.refuse(
+            node,
+            f"arange({values}) over the sequence length with a start or step",
+            "Use arange(T) for positions (the pass makes it this rank's positions)",
+        )
+    a.plan.positions.append(node)
+    return shard(0)
+
+
+def value_of_sizes(a, node: fx.Node) -> Layout:
+    """torch.tensor(T), torch.scalar_tensor(T), sym_float(T): a length used as a value (the global one)."""
+    return REPLICATE
+
+
+def setitem(a, node: fx.Node) -> Layout:
+    return a.refuse(
+        node,
+        "assigns into a tensor by index (x[i] = y) where sequence data is involved",
+        "Build the tensor with torch.where or scatter instead of an indexed assignment",
+    )

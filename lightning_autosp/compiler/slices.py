@@ -1,0 +1,217 @@
+"""Slices, narrows and right pads along the sequence, taken of the global sequence.
+
+The causal shift pairs logit t with target t + 1, so the target of a rank's last position is the next
+rank's first token. Before (rank r, global length S)::
+
+    labels [B, S_r] -> labels[:, 1:] -> [B, S_r - 1]          # loses the boundary target
+
+After (rank r < P-1)::
+
+    labels [B, S_r] -> shift_from_next(labels, start=1) -> [B, S_r]   # = cat(labels[:, 1:], next[:, :1])
+
+and on the last rank ``labels[:, 1:]`` (it owns positions up to S - 1). Likewise ``logits[:, :-1]`` drops a
+position on the last rank only, and a right pad (HF's ``pad(labels, (0, 1), value=-100)``) pads the last
+rank only. Bounds may be sequence lengths (``x[:, : T - 1]``): they are read at the global length.
+Under a zigzag layout an element comes from this rank or, at a range's end, from the rank holding the
+next range (``fetch_positions``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
+from lightning_autosp.compiler.analysis import Analysis
+from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.fx_utils import call, meta_value, op_name
+from lightning_autosp.compiler.ring import fetch_plan
+from lightning_autosp.data import SequenceShard
+
+
+def slices_pass(
+    gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, traced: dict[fx.Node, tuple], report: list[str]
+) -> None:
+    """``traced``: every node's arguments as traced (earlier rewrites replaced some, e.g. HF's pad before
+    its shift); sizes and layouts are read off those."""
+    graph = gm.graph
+    jobs = []
+    for node in analysis.plan.slices:
+        args, kwargs = traced[node]
+        source = args[0]
+        dims = [d for d in analysis.layout(source).dims if _touches(node, args, kwargs, d)]
+        if node in graph.nodes and dims:
+            in_len = analysis.global_value(analysis.shape(source)[dims[0]])
+            bounds = (
+                None if op_name(node) == "pad" else _bounds(node, args, kwargs, dims[0], in_len, analysis)
+            )
+            jobs.append((node, dims[0], in_len, bounds, meta_value(source).dim()))
+    for node, dim, in_len, bounds, rank in jobs:
+        with graph.inserting_before(node):
+            if bounds is None:
+                replacement = _pad(graph, node, dim, in_len, rank, ctx)
+            else:
+                start, stop = bounds
+                replacement = _slice(graph, node, dim, in_len, rank, start, max(0, stop - start), ctx)
+        report.append(f"{node.name}: {op_name(node)} of the global sequence ({in_len} positions)")
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+
+
+def _touches(node: fx.Node, args: tuple, kwargs: dict, dim: int) -> bool:
+    """Whether ``node`` (getitem, narrow, pad) cuts or pads ``dim``."""
+    name = op_name(node)
+    rank = meta_value(args[0]).dim()
+    if name == "pad":
+        pads = list(args[1] if len(args) > 1 else kwargs["pad"])
+        padded = rank - 1 - dim
+        return padded < len(pads) // 2 and tuple(pads[2 * padded : 2 * padded + 2]) != (0, 0)
+    if name in ("narrow", "slice"):
+        return (args[1] if len(args) > 1 else kwargs["dim"]) % rank == dim
+    return _index_item(args[1], rank, dim) not in (None, slice(None))
+
+
+def _index_item(index: object, rank: int, dim: int) -> object:
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        position = items.index(Ellipsis)
+        explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
+        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    in_dim = 0
+    for item in items:
+        if item is None:
+            continue
+        if in_dim == dim:
+            return item
+        in_dim += 1
+    return None
+
+
+def _bounds(
+    node: fx.Node, args: tuple, kwargs: dict, dim: int, in_len: int, analysis: Analysis
+) -> tuple[int, int]:
+    """[start, stop) of the slice of the global sequence (bounds read at the global length)."""
+
+    def number(value: object) -> int | None:
+        return None if value is None else analysis.global_value(analysis.size_expr(value))
+
+    if op_name(node) in ("narrow", "slice"):
+        start = number(args[2] if len(args) > 2 else kwargs["start"])
+        length = number(args[3] if len(args) > 3 else kwargs["length"])
+        start = start % in_len if start < 0 else start
+        return start, start + length
+    item = _index_item(args[1], meta_value(args[0]).dim(), dim)
+    start, stop, step = slice(number(item.start), number(item.stop), number(item.step)).indices(in_len)
+    return start, stop
+
+
+def _slice(
+    graph: fx.Graph, node: fx.Node, dim: int, in_len: int, rank: int, start: int, out_len: int, ctx: SPContext
+) -> fx.Node:
+    source, shard = node.args[0], ctx.shard
+    if not shard.is_contiguous:
+        seq_fixed = _slice_by_positions(graph, source, dim, in_len, start, out_len, ctx)
+    else:
+        plans = [
+            _plan(SequenceShard(shard.global_len, shard.seq_lens, r), in_len, start, out_len)
+            for r in range(shard.world)
+        ]
+        halo_count = max(p[2] for p in plans)
+        local_start, local_len, halo = plans[shard.rank]
+        if halo_count:
+            if halo_count > min(shard.seq_lens):
+                raise NotImplementedError(
+                    f"{node.name}: the slice reaches past the next rank's shard "
+                    f"({min(shard.seq_lens)} tokens); "
+                    "use longer sequences or a smaller sp_size."
+                )
+            args = (
+                source,
+                dim,
+                local_start,
+                local_len,
+                halo,
+                halo_count,
+                shard.rank,
+                shard.world,
+                ctx.group_name,
+            )
+            seq_fixed = call(graph, torch.ops.autosp.shift_from_next.default, args)
+        else:
+            seq_fixed = call(graph, torch.narrow, (source, dim, local_start, local_len))
+    if op_name(node) != "getitem":
+        return seq_fixed
+    rest = _replace_item(node.args[1], rank, dim)
+    if all(item == slice(None) or item is Ellipsis for item in rest):
+        return seq_fixed
+    return call(graph, operator.getitem, (seq_fixed, rest))
+
+
+def _plan(shard: SequenceShard, in_len: int, start: int, out_len: int) -> tuple[int, int, int]:
+    """(local start, local length, halo length) of the slice [start, start + out_len) on ``shard``'s rank."""
+    lo, hi = shard.owned_range(out_len)
+    lo_in, hi_in = shard.owned_range(in_len)
+    need_lo, need_hi = lo + start, hi + start
+    local_hi = min(need_hi, hi_in)
+    local = max(0, local_hi - need_lo)
+    halo = max(0, need_hi - max(hi_in, need_lo))
+    return (need_lo - lo_in if local else 0), local, halo
+
+
+def _slice_by_positions(
+    graph: fx.Graph, source: fx.Node, dim: int, in_len: int, start: int, out_len: int, ctx: SPContext
+) -> fx.Node:
+    """Under a layout of several ranges per rank (zigzag): each element from this rank's shard or, at a
+    range's end, from the rank holding the next range."""
+    export_index, export_count, take = fetch_plan(ctx.shard, in_len, start, out_len)
+    first = take[0] if take else 0
+    if not export_count and take == list(range(first, first + len(take))):
+        return call(graph, torch.narrow, (source, dim, first, len(take)))
+    args = (source, dim, export_index, export_count, take, ctx.shard.world, ctx.group_name)
+    return call(graph, torch.ops.autosp.fetch_positions.default, args)
+
+
+def _replace_item(index: object, rank: int, dim: int) -> tuple:
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        position = items.index(Ellipsis)
+        explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
+        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    in_dim = 0
+    for position, item in enumerate(items):
+        if item is None:
+            continue
+        if in_dim == dim:
+            items[position] = slice(None)
+        in_dim += 1
+    return tuple(items)
+
+
+def _pad(graph: fx.Graph, node: fx.Node, dim: int, in_len: int, rank: int, ctx: SPContext) -> fx.Node:
+    """A right pad of the global sequence: the owner of the last positions pads."""
+    source = node.args[0]
+    pads = list(node.args[1] if len(node.args) > 1 else node.kwargs["pad"])
+    padded = rank - 1 - dim
+    right = pads[2 * padded + 1]
+    out_len = in_len + right
+    local_in, keep, fill = _pad_counts(ctx.shard, in_len, out_len)
+    narrowed = source if keep == local_in else call(graph, torch.narrow, (source, dim, 0, keep))
+    pads[2 * padded : 2 * padded + 2] = [0, max(0, fill)]
+    if not any(pads):
+        return narrowed
+    return call(graph, F.pad, (narrowed, tuple(pads), *node.args[2:]), dict(node.kwargs))
+
+
+def _pad_counts(shard: SequenceShard, in_len: int, out_len: int) -> tuple[int, int, int]:
+    """(this rank's input length, how many of its input elements stay, how many pad elements follow)."""
+    if shard.is_contiguous:
+        lo, hi = shard.owned_range(out_len)
+        lo_in, hi_in = shard.owned_range(in_len)
+        return hi_in - lo_in, min(hi, in_len) - lo, hi - max(lo, in_len)
+    # Every rank's positions ascend, so the pad positions (>= in_len) are a suffix of its shard.
+    owned = shard.positions(out_len)
+    keep = sum(p < in_len for p in owned)
+    return len(shard.positions(in_len)), keep, len(owned) - keep

@@ -1,0 +1,173 @@
+"""Training steps written as users write them for one device, with the idioms the SP pass must prove
+exact or refuse: position tables sliced by the length, positions from a cumsum of the mask, a sliding
+window equal to the shard length, hand-written losses, labels made inside the step.
+
+Each module is small and seeded by the caller; ``VOCAB`` matches ``tests/distributed/modules.py``.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.distributed.modules import VOCAB, TinyGPT
+
+
+class _SGD(L.LightningModule):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class Block(nn.Module):
+    """Pre-norm attention + MLP block; ``rope`` is applied to q and k when given."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm_1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm_2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm_1(x)).split(C, dim=2)
+        q, k, v = (
+            t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)
+        )  # (B, nh, T, hs)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.norm_2(x))
+
+
+def rope_cache(length: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(length).float(), inv_freq).repeat(1, 2)  # (T_max, hs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SlicedTableGPT(_SGD):
+    """Position tables sliced by the length: a learned ``pos_emb[:, :t]`` (minGPT) or a rope cache
+    ``cos[:T]`` (litgpt, ``freqs_cis[:seqlen]``)."""
+
+    def __init__(self, positions: str = "learned", dim: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.positions = positions
+        self.wte = nn.Embedding(VOCAB, dim)
+        self.pos_emb = nn.Parameter(0.02 * torch.randn(1, 128, dim))
+        cos, sin = rope_cache(128, dim // heads)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        t = ids.size(1)
+        x = self.wte(ids)
+        rope = None
+        if self.positions == "learned":
+            x = x + self.pos_emb[:, :t]
+        else:
+            rope = (self.cos[:t], self.sin[:t])
+        for block in self.blocks:
+            x = block(x, rope)
+        logits = self.head(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+class LossGPT(_SGD):
+    """The tests' GPT with the loss written another way: ``nll`` (log_softmax + nll_loss), ``sum_over_count``
+    (HF's num_items_in_batch style), ``roll`` (labels rolled inside the step), ``mean_none`` (per-token
+    losses averaged by hand)."""
+
+    def __init__(self, loss: str, **model_kwargs) -> None:
+        super().__init__()
+        self.loss = loss
+        self.model = TinyGPT(**model_kwargs)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        labels = batch.get("labels", ids)
+        logits = self.model(ids)
+        if self.loss == "nll":
+            return F.nll_loss(F.log_softmax(logits[:, :-1], dim=-1).transpose(1, 2), labels[:, 1:])
+        if self.loss == "sum_over_count":
+            shifted = labels[:, 1:]
+            total = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), shifted.reshape(-1), reduction="sum")
+            return total / (shifted != -100).sum()
+        if self.loss == "roll":
+            targets = torch.roll(labels, -1, 1)
+            return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, :-1].reshape(-1))
+        if self.loss == "mean_none":
+            per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
+            valid = (labels[:, 1:] != -100).float()
+            return (per_token * valid).sum() / valid.sum()
+        raise ValueError(self.loss)
+
+
+class HFModule(_SGD):
+    """An HF causal LM built from a config (random init); HF shifts the labels inside its loss."""
+
+    def __init__(self, family: str, **config) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        defaults = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            use_cache=False,
+        )
+        self.model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(family, **{**defaults, **config}), attn_implementation="sdpa"
+        )
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+        return self.model(**inputs, labels=batch.get("labels", batch["input_ids"])).loss
+
+
+class LitGPTModule(_SGD):
+    """litgpt's ``GPT`` (rope cache sliced ``cos[:T]``), built from a config."""
+
+    def __init__(self, **config) -> None:
+        super().__init__()
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        defaults = dict(
+            block_size=128,
+            vocab_size=VOCAB,
+            padded_vocab_size=VOCAB,
+            n_layer=2,
+            n_head=4,
+            n_query_groups=2,
+            n_embd=32,
+            intermediate_size=64,
+            bias=False,
+            norm_class_name="RMSNorm",
+            mlp_class_name="LLaMAMLP",
+            rotary_percentage=1.0,
+        )
+        self.model = GPT(Config(**{**defaults, **config}))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        logits = self.model(ids)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
