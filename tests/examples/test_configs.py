@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -99,3 +100,14 @@ def test_gpu_config_shapes(name: str) -> None:
         hf.vocab_size,
     }
     assert local_len not in other_sizes
+
+
+def test_a_timeout_in_seconds_parses_and_builds_a_strategy() -> None:
+    with mock.patch.dict(os.environ), mock.patch.object(sys, "argv", ["autosp"]), torch.random.fork_rng():
+        cli = _ParseOnly(
+            run=False,
+            args=["--config", str(CONFIGS / "cpu_demo.yaml"), "--trainer.strategy.init_args.timeout=60"],
+            save_config_callback=None,
+        )
+    init_args = cli.config.trainer.strategy.init_args
+    assert AutoSPStrategy(**init_args)._timeout == timedelta(seconds=60)
