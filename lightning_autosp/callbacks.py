@@ -37,6 +37,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_autosp.extras import require
+
 _MIB = float(2**20)
 
 # Fixed order so that every rank packs its stats into the same slots of one float64 tensor; NaN marks a stat
@@ -63,6 +65,10 @@ _TABLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Optimizer", ("optimizer_mib",)),
     ("Saved for backward", ("saved_for_backward_mib",)),
 )
+
+
+def _require_plotting(package: str, option: str) -> None:
+    require(package, extra="plot", needed_by=f"MemoryMonitor({option}=True)", instead=f"pass {option}=False")
 
 
 def _storage_key(tensor: Tensor) -> tuple[str, int | None, int]:
@@ -139,6 +145,11 @@ class MemoryMonitor(Callback):
     def __init__(self, every_n_steps: int = 10, plot: bool = True, print_table: bool = True) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}.")
+        # Checked here, before training, rather than when fit ends and the chart or table is due.
+        if plot:
+            _require_plotting("matplotlib", "plot")
+        if print_table:
+            _require_plotting("rich", "print_table")
         self.every_n_steps = every_n_steps
         self.plot = plot
         self.print_table = print_table
@@ -324,6 +335,7 @@ class MemoryMonitor(Callback):
         return "CUDA allocated" if on_cuda else "process RSS"
 
     def _print_table(self) -> None:
+        _require_plotting("rich", "print_table")
         from rich.console import Console
         from rich.table import Table
 
@@ -337,6 +349,7 @@ class MemoryMonitor(Callback):
         Console().print(table)
 
     def _save_plot(self, path: Path) -> None:
+        _require_plotting("matplotlib", "plot")
         # The object-oriented API renders with Agg without switching the user's pyplot backend.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
