@@ -58,7 +58,6 @@ class DestroyProcessGroupAtExit(L.Callback):
         atexit.register(_destroy_dist_connection)
 
 
-@pytest.mark.timeout(120)
 def test_memory_monitor_two_cpu_ranks(tmp_path: Path) -> None:
     trainer = L.Trainer(
         accelerator="cpu",

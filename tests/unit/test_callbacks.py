@@ -91,7 +91,6 @@ def _column(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(row[key]) for row in rows if row.get(key)]
 
 
-@pytest.mark.timeout(60)
 def test_memory_monitor_logs_breakdown_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     model = TinyRegressor()
     monitor = MemoryMonitor(every_n_steps=2)
@@ -126,7 +125,6 @@ def test_memory_monitor_logs_breakdown_table_and_plot(tmp_path: Path, capsys: py
     assert "Saved for backward" in out and "Memory per rank" in out
 
 
-@pytest.mark.timeout(120)
 def test_memory_monitor_counts_saved_tensors_of_compiled_step(tmp_path: Path) -> None:
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -144,7 +142,6 @@ def test_memory_monitor_counts_saved_tensors_of_compiled_step(tmp_path: Path) ->
     assert monitor.plot_path is None
 
 
-@pytest.mark.timeout(60)
 def test_memory_monitor_reports_saved_for_backward_missing_when_hooks_are_disabled(tmp_path: Path) -> None:
     monitor = MemoryMonitor(every_n_steps=2, plot=False, print_table=False)
     trainer = _trainer(tmp_path, [monitor])
@@ -218,7 +215,6 @@ def test_throughput_finds_the_sequence_tensor() -> None:
         SequenceThroughputMonitor(sp_size=3).setup(_fake_trainer(4), None, "fit")
 
 
-@pytest.mark.timeout(60)
 def test_throughput_monitor_logs_tokens_per_sec(tmp_path: Path) -> None:
     monitor = SequenceThroughputMonitor(log_every_n_steps=1)
     trainer = _trainer(tmp_path, [monitor])

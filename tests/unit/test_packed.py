@@ -30,7 +30,7 @@ from tests.unit.sp_graphs import (
     run_ranks,
 )
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 GATHER = torch.ops.autosp.gather_sequence.default
 MODULES = {"llama": PackedLlamaModule, "gpt": DocumentMaskGPTModule, "llama-padded": PaddedLlamaModule}

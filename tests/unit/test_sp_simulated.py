@@ -15,7 +15,7 @@ from lightning_autosp.compiler.ops import head_to_seq, seq_to_head, shift_from_n
 from lightning_autosp.data import SequenceShard
 from tests.unit.sp_graphs import ALL_REDUCE_SUM, global_batch, module, rewritten_step, run_ranks
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def shards(global_len: int, world: int) -> list[SequenceShard]:
