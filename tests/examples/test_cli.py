@@ -131,6 +131,7 @@ def test_strategy_given_by_name(tmp_path: Path) -> None:
                     "init_args": {"every_n_steps": 1, "plot": False, "print_table": False},
                 },
                 {"class_path": "tests.examples.cli_helpers.CompileWithAotEager"},
+                {"class_path": "lightning_autosp.SequenceThroughputMonitor", "init_args": {"window_size": 2}},
             ],
         },
         "model": {
@@ -147,6 +148,13 @@ def test_strategy_given_by_name(tmp_path: Path) -> None:
     output = run_cli(tmp_path, "fit", f"--config={path}")
     rows = logged_rows(tmp_path)
     assert_sequence_parallel_run(output, rows, steps=2)
+    # sp=2 on 2 ranks is one dp group: no whole-job figure beside the device's (Lightning's own monitor
+    # would double it), and each sample counts its 48 tokens, not the 24 of a rank's shard.
+    (rate,) = [row for row in rows if row.get("train/device/items_per_sec")]
+    assert float(rate["train/device/items_per_sec"]) == pytest.approx(
+        float(rate["train/device/samples_per_sec"]) * 48
+    )
+    assert not values(rows, "train/items_per_sec")
     (val_loss,) = values(rows, "val_loss")
     (val_ppl,) = values(rows, "val_ppl")
     assert val_ppl == pytest.approx(2.718281828459045**val_loss, rel=1e-4)
