@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch._functorch.config
 from functorch.compile import make_boxed_func
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
@@ -96,10 +97,20 @@ class AutoSPBackend:
             chunked_loss_pass(gm, self.loss_reports[-1], chunk_tokens=self.loss_chunk_tokens)
         if self.compiler == "inductor":
             patches = {"custom_partitioner_fn": self.partitioner}
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            # Note [SAC reports and the compile caches]
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, config_patches=patches)
         return aot_autograd(
             fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
         )(gm, example_inputs)
+
+
+# Note [SAC reports and the compile caches]
+# A hit in AOTAutograd's cache hands back the compiled forward and backward without partitioning the
+# joint graph again, so the partitioner would leave no SACReport and explain() none for that graph. Our
+# compiles skip that cache: the joint graph is traced and partitioned in every process (seconds), while
+# Inductor's FX graph cache, keyed on the partitioned graphs, still serves the generated code (the
+# minutes of a compile). SequenceAwarePartitioner.uuid() covers every SAC setting, for both caches.
 
 
 def frames_not_compiled() -> int:
