@@ -105,6 +105,7 @@ def test_mask_handed_to_the_next_graph_is_rebuilt_from_gathered_inputs() -> None
 # numbers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "documents", "world"),
     [

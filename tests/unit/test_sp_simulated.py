@@ -116,6 +116,7 @@ def test_all_reduce_sum_and_its_gradient() -> None:
 # whole training steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "global_len", "world", "gqa", "ignored_tail"),
     [
