@@ -53,6 +53,7 @@ from benchmarks.models import (
     sharded_loss,
     shifted_targets,
 )
+from lightning_autosp.extras import require
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ class DeepSpeedAutoSP(Method):
 
     def __init__(self, spec: ModelSpec, ctx: RunContext) -> None:
         super().__init__(spec, ctx)
+        require("deepspeed", extra="bench", needed_by="DeepSpeed's AutoSP (benchmarks.methods)")
         import deepspeed
 
         model = self._build()
@@ -235,6 +237,7 @@ class Ulysses(Method):
 
     def __init__(self, spec: ModelSpec, ctx: RunContext) -> None:
         super().__init__(spec, ctx)
+        require("deepspeed", extra="bench", needed_by="hand-written Ulysses (benchmarks.methods)")
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=dist.get_backend(ctx.group), verbose=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, MiB
+from lightning_autosp.extras import require
 
 REFERENCE_METHOD = "ulysses"
 TARGETS = {
@@ -439,6 +440,7 @@ def readme_section(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    require("matplotlib", extra="bench", needed_by="the benchmark report's chart (benchmarks.report)")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -80,6 +80,7 @@ from benchmarks.common import (
     summarize_partition,
     worker_argv,
 )
+from lightning_autosp.extras import require
 
 METHODS = ("sp", "sac", "ds_sac")
 MODELS = ("gpt", "llama")
@@ -152,6 +153,7 @@ def build_model(name: str, max_len: int) -> tuple[Any, Callable[[dict], Any], di
 def deepspeed_status() -> dict:
     """Whether DeepSpeed's SAC splice applies to this torch; the reason when it does not."""
     try:
+        require("deepspeed", extra="bench", needed_by="DeepSpeed's SAC (benchmarks.sac)")
         import deepspeed
         import torch._functorch.partitioners as partitioners
         from deepspeed.compile.passes import long_context_checkpointing as lcc
@@ -176,6 +178,8 @@ def deepspeed_status() -> dict:
 def deepspeed_sac() -> Iterator[None]:
     """DeepSpeed's ``solve_min_cut`` (sequence-aware ``should_ban_recomputation``) for one compile."""
     import torch._functorch.partitioners as partitioners
+
+    require("deepspeed", extra="bench", needed_by="DeepSpeed's SAC (benchmarks.sac)")
     from deepspeed.compile.passes.long_context_checkpointing import register_long_context_checkpointing
 
     original = partitioners.solve_min_cut

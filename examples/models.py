@@ -13,7 +13,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric  # a dependency of lightning; listed in the examples extra too
+
+from lightning_autosp.extras import require
 
 __all__ = ["GPTModule", "LlamaModule", "TinyGPT"]
 
@@ -196,6 +198,7 @@ class LlamaModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         # Imported here so that the rest of this module works without the optional ``hf`` extra.
+        require("transformers", extra="hf", needed_by="examples.models.LlamaModule")
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(

@@ -13,15 +13,15 @@
   measured (see ``MemoryMonitor``).
 - ``memory/max/<stat>`` and ``memory/min/<stat>``: the same stats reduced over ranks.
 
-``SequenceThroughputMonitor`` logs ``throughput/tokens_per_sec`` (all ranks together, every sequence counted
-once) and ``throughput/tokens_per_sec_per_rank``.
+``SequenceThroughputMonitor`` is Lightning's ``ThroughputMonitor`` with every sequence counted once however
+many sp ranks share it: ``train/device/items_per_sec`` is the tokens per second of one sp group, and with
+``flops_per_batch`` on the module, ``train/device/mfu`` its FLOP utilization.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,13 +29,17 @@ from typing import Any
 import psutil
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
+
+from lightning_autosp.extras import require
 
 _MIB = float(2**20)
 
@@ -63,6 +67,10 @@ _TABLE_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Optimizer", ("optimizer_mib",)),
     ("Saved for backward", ("saved_for_backward_mib",)),
 )
+
+
+def _require_plotting(package: str, option: str) -> None:
+    require(package, extra="plot", needed_by=f"MemoryMonitor({option}=True)", instead=f"pass {option}=False")
 
 
 def _storage_key(tensor: Tensor) -> tuple[str, int | None, int]:
@@ -139,6 +147,11 @@ class MemoryMonitor(Callback):
     def __init__(self, every_n_steps: int = 10, plot: bool = True, print_table: bool = True) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}.")
+        # Checked here, before training, rather than when fit ends and the chart or table is due.
+        if plot:
+            _require_plotting("matplotlib", "plot")
+        if print_table:
+            _require_plotting("rich", "print_table")
         self.every_n_steps = every_n_steps
         self.plot = plot
         self.print_table = print_table
@@ -324,6 +337,7 @@ class MemoryMonitor(Callback):
         return "CUDA allocated" if on_cuda else "process RSS"
 
     def _print_table(self) -> None:
+        _require_plotting("rich", "print_table")
         from rich.console import Console
         from rich.table import Table
 
@@ -337,6 +351,7 @@ class MemoryMonitor(Callback):
         Console().print(table)
 
     def _save_plot(self, path: Path) -> None:
+        _require_plotting("matplotlib", "plot")
         # The object-oriented API renders with Agg without switching the user's pyplot backend.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -381,109 +396,79 @@ def _sequence_tensor(batch: Any) -> Tensor:
     return next((t for t in candidates if not t.is_floating_point()), candidates[0])
 
 
-def global_tokens(batch: Any, *, world_size: int, sp_size: int, global_len: int | None = None) -> int:
-    """Tokens that all ranks together process for ``batch``, counting each sequence once.
-
-    The ranks of an sp group share samples, so only the ``world_size // sp_size`` data-parallel groups add
-    samples: tokens = local batch size x dp groups x full sequence length. ``global_len`` overrides the
-    sequence length read from the batch (whose sequence may already be this rank's shard).
-    """
-    if sp_size < 1 or world_size % sp_size:
-        raise ValueError(f"sp_size={sp_size} must be a positive divisor of world_size={world_size}.")
-    tensor = _sequence_tensor(batch)
-    seq_len = tensor.shape[1] if global_len is None else global_len
-    return tensor.shape[0] * (world_size // sp_size) * seq_len
+def _samples(batch: Any) -> int:
+    return _sequence_tensor(batch).shape[0]
 
 
-class SequenceThroughputMonitor(Callback):
-    """Log token throughput that counts every sequence once, however many sp ranks share it.
+class SequenceThroughputMonitor(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor``, counting every sequence once however many sp ranks share it.
+
+    Lightning counts each rank's batch and multiplies by the world size, which under sequence
+    parallelism is ``sp_size`` times too much: the ranks of an sp group hold shards of the same samples.
+    Here the world of Lightning's ``Throughput`` is the ``world_size // sp_size`` data-parallel groups, so
+    each of its "devices" is one sp group (one replica of the model), and a batch counts its samples at
+    the whole sequence length (``trainer.strategy.sequence_shard.global_len``; the batch a rank holds is
+    its shard).
+
+    Rank 0 logs, at the trainer's ``log_every_n_steps`` once ``window_size`` batches were seen, with the
+    stage in front (``train/``, ``validate/``): ``device/items_per_sec`` (tokens per second of one sp
+    group), ``device/samples_per_sec`` and ``device/batches_per_sec``, and, with more than one dp group,
+    the same for the whole job without ``device/``. When the LightningModule has ``flops_per_batch`` (the
+    FLOPs of one dp group's batch, e.g. ``lightning.fabric.utilities.throughput.measure_flops`` of the
+    single-device model), also ``device/flops_per_sec``, ``flops_per_sec`` and ``device/mfu``: the sp
+    group's FLOPs over the peak of its ``sp_size`` devices, i.e. their mean utilization.
 
     Args:
-        sp_size: sequence-parallel group size; default ``trainer.strategy.sp_size``, else 1.
-        log_every_n_steps: log after this many training batches.
-
-    Time runs between consecutive ``on_train_batch_end`` calls (the first batch, which may compile, only
-    starts the clock), minus time spent in validation. The sequence length comes from
-    ``trainer.strategy.sequence_shard.global_len`` when the strategy has it, else from the batch. Every rank
-    is assumed to hold the same local batch size. Rank 0 writes ``throughput/tokens_per_sec`` (progress bar)
-    and ``throughput/tokens_per_sec_per_rank`` to the loggers.
+        sp_size: ranks per sequence-parallel group; default ``trainer.strategy.sp_size``, else 1.
+        window_size: batches in the rolling average (the first batch, which compiles, only starts it).
+        available_flops: peak FLOP/s of one device; default Lightning's figure for the device and
+            precision (none on CPU, so no MFU there).
+        **kwargs: other options of Lightning's ``Throughput`` (``separator``).
     """
 
-    def __init__(self, sp_size: int | None = None, log_every_n_steps: int = 10) -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be at least 1, got {log_every_n_steps}.")
+    def __init__(
+        self,
+        sp_size: int | None = None,
+        window_size: int = 10,
+        available_flops: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if sp_size is not None and (not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1):
+            raise ValueError(f"sp_size={sp_size!r} must be a positive int, or None for the strategy's.")
+        if not isinstance(window_size, int) or window_size < 2:
+            raise ValueError(f"window_size={window_size!r} must be at least 2 batches (a rate needs two).")
+        super().__init__(batch_size_fn=_samples, length_fn=self._tokens, window_size=window_size, **kwargs)
         self.sp_size = sp_size
-        self.log_every_n_steps = log_every_n_steps
-        self._reset()
-
-    def _reset(self) -> None:
-        self._window_start: float | None = None
-        self._window_tokens = 0
-        self._window_batches = 0
-        self._paused = 0.0
-        self._val_start: float | None = None
+        self._device_flops = available_flops
+        self._strategy: Strategy | None = None  # set in setup, in the process that trains
 
     def resolved_sp_size(self, trainer: Trainer) -> int:
         return self.sp_size if self.sp_size is not None else int(getattr(trainer.strategy, "sp_size", 1) or 1)
 
-    def tokens_per_step(self, trainer: Trainer, batch: Any) -> int:
-        """Global tokens of this training batch, each sequence counted once."""
-        shard = getattr(trainer.strategy, "sequence_shard", None)
-        global_len = getattr(shard, "global_len", None)
-        return global_tokens(
-            batch,
-            world_size=trainer.world_size,
-            sp_size=self.resolved_sp_size(trainer),
-            global_len=global_len,
-        )
+    def data_parallel_size(self, trainer: Trainer) -> int:
+        """The groups of ranks that draw different samples: ``world_size // sp_size``."""
+        sp_size = self.resolved_sp_size(trainer)
+        if trainer.world_size % sp_size:
+            raise ValueError(
+                f"SequenceThroughputMonitor(sp_size={sp_size}) must divide the world size "
+                f"({trainer.world_size} processes); pass sp_size=None to use the strategy's."
+            )
+        return trainer.world_size // sp_size
+
+    def _tokens(self, batch: Any) -> int:
+        samples, seq_len = _sequence_tensor(batch).shape[:2]
+        shard = getattr(self._strategy, "sequence_shard", None)
+        return samples * (shard.global_len if shard is not None else seq_len)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        sp_size = self.resolved_sp_size(trainer)
-        if sp_size < 1 or trainer.world_size % sp_size:
-            raise ValueError(
-                f"sp_size={sp_size} must be a positive divisor of world_size={trainer.world_size}."
+        dp_size = self.data_parallel_size(trainer)
+        super().setup(trainer, pl_module, stage)
+        self._strategy = trainer.strategy
+        device_flops = self._device_flops or self.available_flops
+        self.available_flops = device_flops * self.resolved_sp_size(trainer) if device_flops else None
+        # ThroughputMonitor made one Throughput per stage for the world size; the same, for the dp groups.
+        for running_stage in self._throughputs:
+            self._throughputs[running_stage] = Throughput(
+                available_flops=self.available_flops, world_size=dp_size, **self.kwargs
             )
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._reset()
-
-    @override
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._window_start is not None:
-            self._val_start = time.perf_counter()
-
-    @override
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._val_start is not None:
-            self._paused += time.perf_counter() - self._val_start
-            self._val_start = None
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        now = time.perf_counter()
-        if self._window_start is None:
-            self._window_start, self._paused = now, 0.0
-            return
-        self._window_tokens += self.tokens_per_step(trainer, batch)
-        self._window_batches += 1
-        if self._window_batches < self.log_every_n_steps:
-            return
-        elapsed = now - self._window_start - self._paused
-        tokens_per_sec = self._window_tokens / elapsed if elapsed > 0 else math.nan
-        self._window_start, self._window_tokens, self._window_batches, self._paused = now, 0, 0, 0.0
-        if not trainer.is_global_zero:
-            return
-        metrics = {
-            "throughput/tokens_per_sec": tokens_per_sec,
-            "throughput/tokens_per_sec_per_rank": tokens_per_sec / trainer.world_size,
-        }
-        # Written to the loggers directly: self.log would only reach them on the trainer's log_every_n_steps.
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        pl_module.log(
-            "throughput/tokens_per_sec", tokens_per_sec, prog_bar=True, logger=False, rank_zero_only=True
-        )

@@ -58,6 +58,7 @@ from lightning_autosp.mesh import (
     check_ulysses_degree_option,
     find_head_counts,
 )
+from lightning_autosp.options import check_strategy_arguments, process_group_timeout
 
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _STEP_CONTEXTS = {
@@ -104,7 +105,8 @@ class AutoSPStrategy(DDPStrategy):
             "per_step" makes the LightningModule one FSDP2 ``fully_shard`` unit, whole for each step.
         save_distributed_checkpoint: with "fsdp", save one shard per rank to a directory instead of
             a full checkpoint file assembled on rank 0.
-        timeout: process-group timeout; a rank that fails leaves the others waiting at most this long.
+        timeout: process-group timeout, in seconds or as a ``timedelta``; a rank that fails leaves the
+            others waiting at most this long.
         **ddp_kwargs: passed to ``DistributedDataParallel``.
     """
 
@@ -133,10 +135,26 @@ class AutoSPStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: str = "popen",
         **ddp_kwargs: Any,
     ) -> None:
+        timeout = process_group_timeout(timeout)
+        check_strategy_arguments(
+            seq_dim=seq_dim,
+            sequence_keys=sequence_keys,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+            parallel_devices=parallel_devices,
+            plugins={
+                "accelerator": accelerator,
+                "cluster_environment": cluster_environment,
+                "checkpoint_io": checkpoint_io,
+                "precision_plugin": precision_plugin,
+            },
+            ddp_kwargs=ddp_kwargs,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+import torch._functorch.config
 from functorch.compile import make_boxed_func
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
@@ -132,7 +133,9 @@ class AutoSPBackend:
                 "custom_partitioner_fn": self.partitioner,
                 "post_grad_custom_post_pass": CollectiveOrder(),
             }
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+            # Note [SAC reports and the compile caches]
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                compiled = compile_fx(gm, example_inputs, config_patches=patches)
         else:
             compiled = aot_autograd(
                 fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
@@ -154,6 +157,14 @@ def tagging_outputs(compiled: Callable, output_tags: list[Tag | None], tags: Seq
 
     run._boxed_call = boxed  # Dynamo passes a boxed function its inputs as one list
     return run
+
+
+# Note [SAC reports and the compile caches]
+# A hit in AOTAutograd's cache hands back the compiled forward and backward without partitioning the
+# joint graph again, so the partitioner would leave no SACReport and explain() none for that graph. Our
+# compiles skip that cache: the joint graph is traced and partitioned in every process (seconds), while
+# Inductor's FX graph cache, keyed on the partitioned graphs, still serves the generated code (the
+# minutes of a compile). SequenceAwarePartitioner.uuid() covers every SAC setting, for both caches.
 
 
 def frames_not_compiled() -> int:

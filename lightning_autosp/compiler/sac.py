@@ -461,4 +461,6 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         return forward, backward
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+        # Inductor's FX graph and AOTAutograd caches key on this, so it must change with everything
+        # that changes the partition: this file's code and every setting.
+        return get_hash_for_files((__file__,), extra=f"mode={self.mode!r} overhead={self.overhead!r}")

@@ -42,7 +42,7 @@ def run_module(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("smoke") / "smoke.json"
-    done = run_module(["benchmarks.run", "--suite", "smoke", "--out", str(out)], timeout=600)
+    done = run_module(["benchmarks.run", "--suite", "smoke", "--out", str(out)], timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:]
     return json.loads(out.read_text()), out
 
@@ -52,6 +52,7 @@ def summary(report: dict, model: str, method: str) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(1260)  # the first test to ask for the smoke fixture waits for its run
 def test_every_method_ran_or_recorded_its_error(smoke) -> None:
     report, _ = smoke
     for model in ("gpt-smoke", "llama-smoke"):
@@ -68,6 +69,7 @@ def test_every_method_ran_or_recorded_its_error(smoke) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(1260)  # the first test to ask for the smoke fixture waits for its run
 def test_parity_with_single_device(smoke) -> None:
     report, _ = smoke
     for model in ("gpt-smoke", "llama-smoke"):
@@ -80,6 +82,7 @@ def test_parity_with_single_device(smoke) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(1260)  # the first test to ask for the smoke fixture waits for its run
 def test_all_to_all_bytes_follow_the_ulysses_formula(smoke) -> None:
     report, _ = smoke
     for model in ("gpt-smoke", "llama-smoke"):
@@ -96,6 +99,7 @@ def test_all_to_all_bytes_follow_the_ulysses_formula(smoke) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(1260)  # the first test to ask for the smoke fixture waits for its run
 def test_report_renders_from_the_json_alone(smoke) -> None:
     _, out = smoke
     assert report_module.main([str(out)]) == 0
@@ -105,8 +109,10 @@ def test_report_renders_from_the_json_alone(smoke) -> None:
     assert report_module.main([str(out), "--readme"]) == 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(660)
 def test_gpu_suite_plan_resolves() -> None:
-    done = run_module(["benchmarks.run", "--suite", "gpu", "--nproc", "1", "--dry-run"], timeout=120)
+    done = run_module(["benchmarks.run", "--suite", "gpu", "--nproc", "1", "--dry-run"], timeout=600)
     assert done.returncode == 0, done.stdout[-3000:]
     plan = json.loads(done.stdout[done.stdout.index("{") :])
     assert plan["settings"]["search"] == "oom" and plan["models"]["llama-1b"]["parameters"] > 4e8

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -46,7 +47,6 @@ def _build(spec: dict[str, Any]) -> Any:
     return _import(spec["class_path"])(**spec.get("init_args", {}))
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_config_parses_with_the_cli_parser(name: str) -> None:
     # The CLI seeds every RNG from the config's seed_everything and exports PL_GLOBAL_SEED; keep both local.
@@ -56,7 +56,6 @@ def test_config_parses_with_the_cli_parser(name: str) -> None:
     assert cli.config.model.class_path.startswith("examples.models.")
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
 def test_gpu_config_shapes(name: str) -> None:
     expected = GPU_CONFIGS[name]
@@ -99,3 +98,14 @@ def test_gpu_config_shapes(name: str) -> None:
         hf.vocab_size,
     }
     assert local_len not in other_sizes
+
+
+def test_a_timeout_in_seconds_parses_and_builds_a_strategy() -> None:
+    with mock.patch.dict(os.environ), mock.patch.object(sys, "argv", ["autosp"]), torch.random.fork_rng():
+        cli = _ParseOnly(
+            run=False,
+            args=["--config", str(CONFIGS / "cpu_demo.yaml"), "--trainer.strategy.init_args.timeout=60"],
+            save_config_callback=None,
+        )
+    init_args = cli.config.trainer.strategy.init_args
+    assert AutoSPStrategy(**init_args)._timeout == timedelta(seconds=60)

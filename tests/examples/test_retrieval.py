@@ -81,7 +81,6 @@ def train(shard_local: bool) -> tuple[float, float]:
     return answer_accuracy(model, held_ids, held_labels), held_loss
 
 
-@pytest.mark.timeout(30)
 def test_the_key_is_on_rank_0_and_the_query_on_rank_1() -> None:
     sample = RetrievalTask(200, SEQ_LEN, VOCAB, seed=0)
     half = SEQ_LEN // SHARDS
@@ -92,7 +91,6 @@ def test_the_key_is_on_rank_0_and_the_query_on_rank_1() -> None:
         assert ids[keys.item() + 1] == labels[-1]
 
 
-@pytest.mark.timeout(30)
 def test_shard_local_model_cannot_see_the_other_shard() -> None:
     half = SEQ_LEN // SHARDS
     ids = torch.randint(0, VOCAB - 1, (4, SEQ_LEN), generator=torch.Generator().manual_seed(0))
@@ -115,7 +113,7 @@ def flush_denormals() -> Iterator[None]:
     torch.set_flush_denormal(False)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_shard_local_attention_cannot_solve_retrieval_full_attention_can(flush_denormals: None) -> None:
     local_accuracy, local_loss = train(shard_local=True)
     full_accuracy, full_loss = train(shard_local=False)
@@ -129,7 +127,7 @@ def test_shard_local_attention_cannot_solve_retrieval_full_attention_can(flush_d
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(660)
 def test_retrieval_demo_runs(tmp_path: Path) -> None:
     """Smoke test of the demo script (2 processes, a few steps); its full run is in examples/README.md."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -143,7 +141,7 @@ def test_retrieval_demo_runs(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=600,  # a hang guard, many times what the run takes
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]

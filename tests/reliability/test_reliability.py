@@ -22,38 +22,46 @@ pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 MAX_EXAMPLES = 6
+# Hang guards, not expectations: each job takes well under a tenth of this on 2 idle cores.
+JOB_HANG_GUARD_S = 600
+CHECKS_HANG_GUARD_S = 1200
 
 
 # --------------------------------------------------------------------------------------------------
 # 1. failing ranks
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(JOB_HANG_GUARD_S + 60)
 def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error():
     # Rank 1 raises inside training_step at step 2, after its forward: rank 0 is already inside the
-    # step's collectives. Every rank must exit, non-zero, with rank 1's error in the output.
-    args = ["--fault", "raise", "--ranks", "1", "--timeout", "20"]
-    code, stderr, seconds = torchrun(2, HERE / "fault_worker.py", *args, timeout=120)
+    # step's collectives. Every rank must exit, non-zero, with rank 1's error in the output, and rank 0
+    # because rank 1 failed, not because its own process-group timeout (long, here) ran out.
+    args = ["--fault", "raise", "--ranks", "1", "--timeout", str(JOB_HANG_GUARD_S)]
+    code, stderr, _ = torchrun(2, HERE / "fault_worker.py", *args, timeout=JOB_HANG_GUARD_S)
     assert code != 0
-    assert seconds < 90, seconds
     assert "RuntimeError: injected failure on rank 1 at step 2" in stderr, stderr[-6000:]
+    assert "Timed out" not in stderr, stderr[-6000:]
     assert "AUTOSP_FINISHED" not in stderr
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(JOB_HANG_GUARD_S + 60)
 def test_peers_of_a_wedged_rank_give_up_after_the_strategy_timeout():
     # dp=2 x sp=2 on 4 ranks: ranks 1 and 3 stop forever (alive) inside training_step at step 2, so
     # ranks 0 and 2 wait in their sp group's collectives, a sub-group the DeviceMesh creates. They must
-    # fail after AutoSPStrategy(timeout=10 s) (torch would give sub-groups its 30 min default).
-    timeout = 10
+    # fail with AutoSPStrategy(timeout=30) (torch would give sub-groups its 30 min default, which the
+    # hang guard would end). 30 s, not less: the ranks must not time out on each other earlier, while
+    # one of them compiles more slowly on a busy machine.
+    timeout = 30
     args = ["--fault", "wedge", "--ranks", "1", "3", "--timeout", str(timeout)]
-    code, stderr, _ = torchrun(4, HERE / "fault_worker.py", *args, timeout=120)
+    code, stderr, _ = torchrun(4, HERE / "fault_worker.py", *args, timeout=JOB_HANG_GUARD_S)
     assert code != 0
     for rank in (0, 2):
         found = re.search(rf"AUTOSP_FAULT rank={rank} after=([\d.]+)s (.*)", stderr)
         assert found, f"rank {rank} did not fail by itself:\n{stderr[-6000:]}"
-        assert "Timed out" in found.group(2), found.group(0)
-        assert timeout * 0.8 <= float(found.group(1)) <= timeout * 3, found.group(0)
+        # Gloo names the timeout it waited for: the strategy's, in milliseconds.
+        assert f"Timed out waiting {timeout * 1000}ms" in found.group(2), found.group(0)
+        # A lower bound only: it waited in the wedged step, for at least most of the timeout.
+        assert float(found.group(1)) >= timeout * 0.8, found.group(0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -67,7 +75,7 @@ def checks(tmp_path_factory) -> dict[int, dict]:
     names.append("property")
     names.append("ambiguous_shard")  # last: see checks_worker.py
     args = ["--out", str(out), "--checks", *names, "--max-examples", str(MAX_EXAMPLES)]
-    code, stderr, _ = torchrun(2, HERE / "checks_worker.py", *args, timeout=400)
+    code, stderr, _ = torchrun(2, HERE / "checks_worker.py", *args, timeout=CHECKS_HANG_GUARD_S)
     assert code == 0, stderr[-6000:]
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
 
@@ -92,7 +100,7 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
 def test_bad_input_fails_on_every_rank_before_any_collective(checks, case):
     for rank, results in each_rank(checks, "bad_input"):
@@ -102,12 +110,11 @@ def test_bad_input_fails_on_every_rank_before_any_collective(checks, case):
         assert BAD_INPUT[case] in outcome["error"], outcome
         # raised by data.py while moving the batch, before the compiled step (and its collectives)
         assert "batch_to_device" in outcome["where"] and "data.py" in outcome["where"], outcome["where"]
-        assert outcome["seconds"] < 10, outcome
     # the worker met a barrier after each case: every rank got through every case
     assert set(checks[0]["bad_input"]) == set(checks[1]["bad_input"]) == set(BAD_INPUT)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_a_refusal_on_one_rank_stops_every_rank(checks):
     # 2 x 5 tokens over 2 ranks: shards of 3 and 2; only the 2-token shard's trace takes a branch that the
     # whole sequence would not, so only that rank's pass refuses: the ranks agree before any collective.
@@ -123,7 +130,7 @@ def test_a_refusal_on_one_rank_stops_every_rank(checks):
 # 3. checkpoints
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_resuming_from_a_checkpoint_continues_exactly(checks):
     for rank, result in each_rank(checks, "checkpoint"):
         # SGD with momentum (lr 0.1) under sp=2 follows single-device training ...
@@ -133,7 +140,7 @@ def test_resuming_from_a_checkpoint_continues_exactly(checks):
         assert result["resumed"] == pytest.approx(result["uninterrupted"][3:], abs=1e-6), rank
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_resuming_with_a_different_sp_size(checks):
     # Saved under sp=2 on 2 ranks, resumed under sp=1 (dp=2): the weights load unchanged, and the first
     # loss is the single-device loss of the batch that rank received.
@@ -149,7 +156,7 @@ def test_resuming_with_a_different_sp_size(checks):
         )
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_fsdp_trains_like_one_device_and_resumes_exactly_from_full_and_distributed_checkpoints(checks):
     for rank, result in each_rank(checks, "fsdp_checkpoint"):
         assert result["uninterrupted"] == pytest.approx(result["reference"], rel=LOSS_TOLERANCE), rank
@@ -160,14 +167,14 @@ def test_fsdp_trains_like_one_device_and_resumes_exactly_from_full_and_distribut
         assert result["resumed_distributed"] == pytest.approx(result["uninterrupted"][3:], abs=1e-6), rank
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_a_full_fsdp_checkpoint_resumes_under_ddp(checks):
     for rank, result in each_rank(checks, "fsdp_checkpoint"):
         assert result["ddp_weights_equal_checkpoint"], rank
         assert result["resumed_by_ddp"] == pytest.approx(result["uninterrupted"][3:], abs=1e-6), rank
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_fsdp_holds_one_world_th_of_ddps_parameters_gradients_and_optimizer_state(checks):
     # 2 ranks, SGD with momentum: each rank holds half of every tensor (rows split in two; all even here).
     for rank, result in each_rank(checks, "fsdp_checkpoint"):
@@ -176,7 +183,7 @@ def test_fsdp_holds_one_world_th_of_ddps_parameters_gradients_and_optimizer_stat
             assert 0.48 <= ratio <= 0.52, (rank, kind, result["fsdp_bytes"], result["ddp_bytes"])
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_load_from_checkpoint_on_one_process_for_inference(checks):
     result = checks[0]["checkpoint"]
     saved = torch.load(result["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
@@ -193,7 +200,7 @@ def test_load_from_checkpoint_on_one_process_for_inference(checks):
 # 4. evaluation
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 @pytest.mark.parametrize("check", ["validate", "fsdp_validate"])
 def test_validation_loss_equals_single_device(checks, check):
     # GPTModule.validation_step calls self.training_step and logs val_loss; 30 tokens, ignored labels.
@@ -205,7 +212,7 @@ def test_validation_loss_equals_single_device(checks, check):
         assert result["test_loss"] == pytest.approx(result["reference"], rel=LOSS_TOLERANCE), rank
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 @pytest.mark.parametrize("check", ["validate", "fsdp_validate"])
 def test_predict_returns_each_ranks_slice_of_the_exact_output(checks, check):
     for rank, result in each_rank(checks, check):
@@ -216,7 +223,7 @@ def test_predict_returns_each_ranks_slice_of_the_exact_output(checks, check):
 # 5. numerics
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_an_sp_shard_with_only_ignored_labels(checks, model):
     # Three SGD steps (lr 0.1); in two batches one rank's shard holds only -100 labels (rank 1, then 0).
@@ -228,7 +235,7 @@ def test_an_sp_shard_with_only_ignored_labels(checks, model):
         assert result["grad_rel_err"] <= GRAD_TOLERANCE, (rank, result)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_sequence_lengths_that_vary_between_batches(checks):
     # 24, 30, 24, 31, 30 tokens, SGD (lr 0.1): exact at every step, one compile per distinct length.
     for rank, results in each_rank(checks, "numerics"):
@@ -245,7 +252,7 @@ def test_sequence_lengths_that_vary_between_batches(checks):
 # 6. property test
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_parity_holds_for_drawn_shapes(checks):
     # hypothesis (derandomized, in the worker): heads {2, 4}, kv heads dividing them, batch 1-3,
     # 8-40 tokens (odd lengths too), a random ignored tail per sample, sp 1 or 2 (dp 2 or 1).

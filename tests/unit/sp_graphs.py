@@ -204,7 +204,7 @@ class ThreadedComm:
     """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.ops``: each rank is a thread,
     and a collective exchanges the ranks' tensors through shared slots between two barriers."""
 
-    def __init__(self, world: int, timeout: float = 60.0) -> None:
+    def __init__(self, world: int, timeout: float = 240.0) -> None:
         self.world = world
         self.barrier = threading.Barrier(world, timeout=timeout)
         self.slots: list[Any] = [None] * world

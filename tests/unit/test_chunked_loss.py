@@ -35,7 +35,7 @@ from tests.unit.sp_graphs import (
     training_step,
 )
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 CHUNKED = torch.ops.autosp_loss.linear_cross_entropy.default
 

@@ -42,7 +42,7 @@ from tests.unit.sp_graphs import (
     shard,
 )
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 APPLY = torch.ops.higher_order.autograd_function_apply
 

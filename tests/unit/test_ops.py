@@ -15,8 +15,6 @@ from lightning_autosp.compiler.ops import (
     _to_front,
 )
 
-pytestmark = pytest.mark.timeout(120)
-
 ops = torch.ops.autosp
 LAYOUTS = {"BHSD": (1, 2), "BSHD": (2, 1)}
 

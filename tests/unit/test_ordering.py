@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from lightning_autosp.compiler.ordering import CollectiveOrder, collectives_in_order
-
-pytestmark = pytest.mark.timeout(120)
 
 
 def _three_independent_all_to_alls(dq, dk, dv):

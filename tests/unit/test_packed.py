@@ -35,7 +35,7 @@ from tests.unit.sp_graphs import (
 )
 from tests.unit.test_sp_pass import find_attention
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 GATHER = torch.ops.autosp.gather_sequence.default
 MODULES = {"llama": PackedLlamaModule, "gpt": DocumentMaskGPTModule, "llama-padded": PaddedLlamaModule}
@@ -111,6 +111,7 @@ def test_mask_handed_to_the_next_graph_is_rebuilt_from_gathered_inputs() -> None
 # numbers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "documents", "world"),
     [

@@ -31,7 +31,6 @@ from lightning_autosp.planner import (
     step_memory,
 )
 
-pytestmark = pytest.mark.timeout(120)
 TOLERANCE = 0.15
 
 
@@ -50,6 +49,7 @@ TOLERANCE = 0.15
         ("llama", "bf16-mixed", False, False),
     ],
 )
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_planner_matches_measured_memory(kind: str, precision: str, sac: bool, chunked_loss: bool) -> None:
     setup = Setup(2, 2, sac=sac, precision=precision, chunked_loss=chunked_loss, compiler="aot_eager")
@@ -65,6 +65,7 @@ EIGHT_LAYERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_planned_step_peak_matches_the_allocator_peak(kind: str) -> None:

@@ -36,8 +36,6 @@ from tests.unit.sp_graphs import (
     training_step,
 )
 
-pytestmark = pytest.mark.timeout(120)
-
 ops = torch.ops.autosp
 
 

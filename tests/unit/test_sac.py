@@ -23,7 +23,7 @@ from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import SequenceShard
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, TinyGPT
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 
@@ -196,6 +196,7 @@ def test_sac_never_reruns_a_collective_in_backward(gloo_group: str) -> None:
     assert counts[True] == counts[False] == 4 * 2 + 1  # one per forward all-to-all, plus the loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_saving_block_inputs_bounds_backward_peak_memory(family: str) -> None:
     """Backward rebuilds one block at a time, so SAC's peak is well under the no-SAC peak.

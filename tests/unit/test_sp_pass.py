@@ -47,7 +47,7 @@ from tests.unit.sp_graphs import (
 )
 from tests.unit.sp_graphs import shard as shard_and_tag
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 KINDS = list(MODULES)
 B = 2  # batch size of the traced steps

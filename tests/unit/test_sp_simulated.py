@@ -15,7 +15,7 @@ from lightning_autosp.compiler.ops import head_to_seq, seq_to_head, shift_from_n
 from lightning_autosp.data import SequenceShard
 from tests.unit.sp_graphs import ALL_REDUCE_SUM, global_batch, module, rewritten_step, run_ranks
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_dynamo")]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def shards(global_len: int, world: int) -> list[SequenceShard]:
@@ -116,6 +116,7 @@ def test_all_reduce_sum_and_its_gradient() -> None:
 # whole training steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "global_len", "world", "gqa", "ignored_tail"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch
@@ -204,3 +205,58 @@ def test_a_step_under_a_dispatch_mode_is_refused() -> None:
     step = strategy._make_compiled_step("training_step", lambda batch: batch.sum())
     with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="FlopCounterMode"):
         step(torch.ones(2, 4))
+
+
+# --------------------------------------------------------------------------------------------------
+# every argument is checked when the strategy is made
+
+
+@pytest.mark.parametrize(
+    ("timeout", "expected"),
+    [
+        (60, timedelta(seconds=60)),
+        (2.5, timedelta(seconds=2.5)),
+        (timedelta(minutes=5), timedelta(minutes=5)),
+        (None, None),
+    ],
+)
+def test_timeout_in_seconds_or_as_a_timedelta(timeout: object, expected: timedelta | None) -> None:
+    assert AutoSPStrategy(timeout=timeout)._timeout == expected
+
+
+BAD_ARGUMENTS = [
+    ({"timeout": "60"}, TypeError, r"timeout='60' is not a duration; pass seconds \(timeout=60\)"),
+    ({"timeout": 0}, ValueError, "timeout=0 must be a positive, finite time"),
+    ({"timeout": float("inf")}, ValueError, "timeout=inf must be a positive, finite time"),
+    ({"seq_dim": "1"}, ValueError, "seq_dim='1' must be the index of the sequence dimension"),
+    ({"seq_dim": -1}, ValueError, "seq_dim=-1 must be the index"),
+    ({"sequence_keys": "input_ids"}, TypeError, r"sequence_keys=\['input_ids'\]"),
+    ({"sequence_keys": [1]}, TypeError, "must be a list of batch keys"),
+    ({"save_distributed_checkpoint": "yes"}, TypeError, "save_distributed_checkpoint='yes' must be True"),
+    ({"process_group_backend": 1}, TypeError, "process_group_backend=1 must be a backend name"),
+    ({"start_method": "thread"}, ValueError, r"start_method='thread' is not available here; use one of \["),
+    ({"parallel_devices": ["cpu"]}, TypeError, r"parallel_devices=\['cpu'\] must be a list of torch.device"),
+    (
+        {"accelerator": "gpu"},
+        TypeError,
+        r"accelerator='gpu' must be an instance of Accelerator.*Trainer\(acc",
+    ),
+    ({"precision_plugin": "bf16-mixed"}, TypeError, r"Trainer\(precision='bf16-mixed'\)"),
+    (
+        {"find_unused_parameter": True},
+        TypeError,
+        r"unknown options \['find_unused_parameter'\].*'find_unused_parameters'",
+    ),
+    ({"device_ids": [0]}, TypeError, r"unknown options \['device_ids'\]"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), BAD_ARGUMENTS)
+def test_a_bad_argument_fails_when_the_strategy_is_made(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        AutoSPStrategy(sp_size=2, **kwargs)
+
+
+def test_ddp_and_ddp_strategy_options_are_accepted() -> None:
+    s = AutoSPStrategy(sp_size=2, find_unused_parameters=True, static_graph=True, ddp_comm_hook=None)
+    assert s._ddp_kwargs == {"find_unused_parameters": True, "static_graph": True}
