@@ -439,10 +439,10 @@ class SequenceThroughputMonitor(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        sp_size = self.resolved_sp_size(trainer)
-        if sp_size < 1 or trainer.world_size % sp_size:
+        # The strategy checks its own sp_size (and chooses sp_size="auto" only after this hook).
+        if self.sp_size is not None and (self.sp_size < 1 or trainer.world_size % self.sp_size):
             raise ValueError(
-                f"sp_size={sp_size} must be a positive divisor of world_size={trainer.world_size}."
+                f"sp_size={self.sp_size} must be a positive divisor of world_size={trainer.world_size}."
             )
 
     @override

@@ -66,6 +66,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_autosp.compiler.backend import Compiler
 from lightning_autosp.fsdp import DataParallel, FSDPGather
@@ -292,7 +293,9 @@ def _is_gpt_config(config: Mapping[str, Any]) -> bool:
 def _distinct_param_count(module: nn.Module) -> int:
     seen: dict[Any, int] = {}
     for p in module.parameters():
-        key = (p.device, p.untyped_storage().data_ptr()) if p.device.type != "meta" else id(p)
+        # Tied parameters are one object on meta and as DTensors (already sharded in configure_model)
+        plain = p.device.type != "meta" and not isinstance(p, DTensor)
+        key = (p.device, p.untyped_storage().data_ptr()) if plain else id(p)
         seen.setdefault(key, p.numel())
     return sum(seen.values())
 

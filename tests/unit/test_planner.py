@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from benchmarks.planner import compare, tiny_gpt, tiny_llama
-from examples.models import GPTModule
+from examples.models import GPTModule, TinyGPT
 from lightning_autosp import AutoSPStrategy, plan
 from lightning_autosp.planner import (
     LLAMA_3_1_8B,
@@ -269,9 +269,22 @@ def test_strategy_auto_options(kwargs: dict, message: str) -> None:
         AutoSPStrategy(**kwargs)
 
 
-class _StopAfterDistributedSetup(L.Callback):
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        raise _Stop(trainer.strategy.sp_size)
+class _StopAfterSetup(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise _Stop(trainer.strategy.sp_size, trainer.strategy.sp_plan.memory.params)
+
+
+class _GPTBuiltInConfigureModel(GPTModule):
+    """Has no parameters until configure_model, which builds them on the meta device."""
+
+    def __init__(self, **shape) -> None:
+        super().__init__(**shape)
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = TinyGPT(**{k: self.hparams[k] for k in TINY_GPT_SHAPE})
 
 
 class _Stop(Exception):
@@ -292,26 +305,49 @@ def _own_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+TINY_GPT_SHAPE = {"vocab_size": 64, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 32}
+
+
 @pytest.mark.usefixtures("_own_process_group")
 @pytest.mark.parametrize(("memory", "expected"), [(2**40, 1), (2**17, "No sp_size fits")])
-def test_strategy_resolves_auto_before_the_process_group(memory: int, expected: int | str) -> None:
-    strategy = AutoSPStrategy(sp_size="auto", max_seq_len=64, memory_per_device=memory, compiler="aot_eager")
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_strategy_plans_auto_for_the_model_configure_model_builds(
+    memory: int, expected: int | str, data_parallel: str
+) -> None:
+    # Note [Planning sp_size after configure_model]: the plan counts the parameters configure_model
+    # builds (on the meta device here), which do not exist when the process group is created.
+    strategy = AutoSPStrategy(
+        sp_size="auto",
+        max_seq_len=64,
+        memory_per_device=memory,
+        compiler="aot_eager",
+        data_parallel=data_parallel,
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        callbacks=[_StopAfterDistributedSetup()],
+        callbacks=[_StopAfterSetup()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = GPTModule(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=32)
+    module = _GPTBuiltInConfigureModel(**TINY_GPT_SHAPE)
+    assert not list(module.parameters())
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected):
             trainer.fit(module)
         assert not dist.is_initialized() or dist.get_world_size() == 1
-    else:
-        with pytest.raises(_Stop) as stopped:
-            trainer.fit(module)
-        assert stopped.value.args == (expected,)
+        return
+    with pytest.raises(_Stop) as stopped:
+        trainer.fit(module)
+    params = sum(p.numel() for p in TinyGPT(**TINY_GPT_SHAPE).parameters())
+    assert stopped.value.args == (expected, params * 4)  # fp32, one rank
+    assert not any(p.is_meta for p in module.parameters())  # materialised in setup
+
+
+def test_sp_size_auto_is_unknown_until_setup() -> None:
+    strategy = AutoSPStrategy(sp_size="auto", max_seq_len=64, memory_per_device=2**30)
+    with pytest.raises(RuntimeError, match="chosen in setup\\(\\), after configure_model"):
+        _ = strategy.sp_size
