@@ -70,6 +70,17 @@ from torch import nn
 from lightning_autosp.compiler.backend import Compiler
 from lightning_autosp.fsdp import DataParallel, FSDPGather
 from lightning_autosp.model_shapes import LLAMA_3_1_8B, LLAMA_3_1_70B, ModelShape, model_shape
+from lightning_autosp.sp_cost import (
+    SPLayout,
+    Throughput,
+    UlyssesDegree,
+    a2a_bytes,
+    comm_seconds,
+    ring_buffer_bytes,
+    ring_bytes,
+    sp_layout,
+    step_flops,
+)
 
 __all__ = [
     "LLAMA_3_1_70B",
@@ -80,6 +91,7 @@ __all__ = [
     "PlanOption",
     "Setup",
     "a2a_bytes_per_step",
+    "ring_bytes_per_step",
     "choose_sp_size",
     "model_shape",
     "plan",
@@ -114,6 +126,7 @@ class Setup:
     fsdp_gather: FSDPGather = "per_use"
     compiler: Compiler = "inductor"
     optimizer_impl: OptimizerImpl = "foreach"
+    ulysses_degree: int | None = None  # of sp_size; the rest is ring attention (None: all Ulysses)
 
     def __post_init__(self) -> None:
         precision = _PRECISIONS.get(self.precision, self.precision)
@@ -127,6 +140,12 @@ class Setup:
             raise ValueError(f"data_parallel={self.data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
         if self.sp_size < 1 or self.devices % self.sp_size:
             raise ValueError(f"sp_size={self.sp_size} must divide devices={self.devices}.")
+        if self.sp_size % self.layout.ulysses_degree:
+            raise ValueError(f"ulysses_degree={self.ulysses_degree} must divide sp_size={self.sp_size}.")
+
+    @property
+    def layout(self) -> SPLayout:
+        return SPLayout(self.sp_size, self.ulysses_degree or self.sp_size)
 
     @property
     def dp_size(self) -> int:
@@ -166,7 +185,7 @@ class _Sizes:
             head_tokens=B * seq_len // P,
             x=x,
             r=r,
-            kv_width=shape.kv_heads_at_attention(P) * shape.d,
+            kv_width=shape.kv_heads_at_attention(setup.layout.ulysses_degree) * shape.d,
         )
 
 
@@ -233,13 +252,14 @@ class MemoryBreakdown:
     attention_mask: int
     logits_workspace: int
     layer_workspace: int
+    ring_buffers: int = 0  # ring attention's K/V blocks in flight and fp32 accumulators (sp_cost.py)
     optimizer_workspace: int = 0
     optimizer_step: int = 0  # the optimizer step's own peak, all of it (Note [Step peak])
     activations_freed_in_backward: bool = True
 
     @property
     def workspace(self) -> int:
-        return max(self.logits_workspace, self.layer_workspace)
+        return max(self.logits_workspace, self.layer_workspace + self.ring_buffers)
 
     @property
     def forward_backward(self) -> int:
@@ -266,7 +286,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     N = shape.param_count
     pb = setup.param_bytes
     state = N * pb * setup.optimizer_states
-    a2a_staging = 2 * s.head_tokens * q * s.x if setup.sp_size > 1 else 0
+    a2a_staging = 2 * s.head_tokens * q * s.x if setup.layout.ulysses_degree > 1 else 0
     if setup.data_parallel == "ddp":
         params, grads, optimizer = N * pb, N * pb, state
         dp_buffers = N * pb  # DDP's gradient buckets (gradient_as_bucket_view=False)
@@ -320,6 +340,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
         attention_mask=mask,
         logits_workspace=logits,
         layer_workspace=recompute + gradients,
+        ring_buffers=ring_buffer_bytes(shape, setup.layout, seq_len, setup.batch_size, setup.act_bytes),
         optimizer_workspace=optimizer_workspace,
         optimizer_step=params + optimizer + local_grads + optimizer_workspace + ddp_buckets,
         activations_freed_in_backward=setup.compiler == "inductor",
@@ -327,18 +348,13 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
 
 
 def a2a_bytes_per_step(shape: ModelShape, setup: Setup, seq_len: int) -> int:
-    """Bytes each rank sends through the Ulysses all-to-alls in one step (forward + backward).
+    """Bytes each rank sends through the Ulysses all-to-alls in one step (``sp_cost.a2a_bytes``)."""
+    return a2a_bytes(shape, setup.layout, seq_len, setup.batch_size, setup.act_bytes)
 
-    Per layer and direction (S/P) * ((P-1)/P) * (2h + 2h_kv) elements per sequence: q, k, v out and
-    the attention output back; backward sends their gradients. SAC never recomputes a collective.
-    """
-    P = setup.sp_size
-    if P == 1:
-        return 0
-    s = _Sizes.of(shape, setup, seq_len)
-    q = shape.attention_width
-    per_token = (q + 2 * s.kv_width) * s.x + q * s.x
-    return round(2 * shape.layers * s.head_tokens * (P - 1) / P * per_token)
+
+def ring_bytes_per_step(shape: ModelShape, setup: Setup, seq_len: int) -> int:
+    """Bytes each rank sends around the attention ring in one step (Note [Ring attention costs])."""
+    return ring_bytes(shape, setup.layout, seq_len, setup.batch_size, setup.act_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,20 +371,24 @@ class PlanOption:
     max_seq_len: int
     a2a_bytes_per_step: int
     sp_within_node: bool
+    ring_bytes_per_step: int = 0
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.usable_bytes
 
     def describe(self) -> str:
-        """One line: the setup, its peak by component, and the longest sequence it fits."""
+        """One line: the setup, its peak by component, the longest sequence it fits and what it sends."""
         s, m = self.setup, self.memory
         parts = ", ".join(f"{name} {_gib(value)}" for name, value in m.items() if name != "total" and value)
         node = "inside a node" if self.sp_within_node else "across nodes"
+        ring_bytes = _gib(self.ring_bytes_per_step)
+        ring = f"; ring K/V {ring_bytes} GiB/step/rank" if s.layout.ring_degree > 1 else ""
         return (
-            f"sp_size={s.sp_size} x dp={s.dp_size} ({s.data_parallel}, sac={s.sac}, {s.precision}): peak "
-            f"{_gib(m.total)} of {_gib(self.usable_bytes)} GiB usable ({parts}); longest sequence "
-            f"{self.max_seq_len} tokens; all-to-alls {_gib(self.a2a_bytes_per_step)} GiB/step/rank, {node}"
+            f"sp_size={s.layout.describe()} x dp={s.dp_size} ({s.data_parallel}, sac={s.sac}, "
+            f"{s.precision}): peak {_gib(m.total)} of {_gib(self.usable_bytes)} GiB usable ({parts}); "
+            f"longest sequence {self.max_seq_len} tokens; all-to-alls {_gib(self.a2a_bytes_per_step)} "
+            f"GiB/step/rank{ring}, sp group {node}"
         )
 
 
@@ -400,16 +420,19 @@ class Plan:
             f"({self.gpus_per_node} per node), {_gib(self.memory_per_device)} GiB each, "
             f"{_gib(self.usable_bytes)} GiB usable, {first.precision if first else ''}; GiB per rank"
         )
-        names = [f.name for f in fields(MemoryBreakdown)]
-        columns = ["sp", "dp", "SAC", "data par.", *names, "peak", "fits", "max seq", "a2a GiB/step"]
+        names = [f.name for f in fields(MemoryBreakdown) if f.type in (int, "int")]
+        sends = ["a2a GiB/step", "ring GiB/step"]
+        columns = ["sp", "dp", "SAC", "data par.", *names, "peak", "fits", "max seq", *sends]
         legend = (
             "peak = params + optimizer + comm_buffers + attention_mask + max(activations + "
-            "max(logits_workspace, layer_workspace), grads); max seq: the longest sequence that fits"
+            "max(logits_workspace, layer_workspace + ring_buffers), grads), or the optimizer step's; "
+            "max seq: the longest sequence that fits; sp: ulysses x ring where sp has a ring; "
+            "a2a / ring: bytes each rank sends per step"
         )
         lines = [header, "", legend, "", "| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
         for o in self.options:
             cells = [
-                str(o.setup.sp_size),
+                o.setup.layout.describe(),
                 str(o.setup.dp_size),
                 "on" if o.setup.sac else "off",
                 o.setup.data_parallel,
@@ -418,6 +441,7 @@ class Plan:
                 "yes" if o.fits else "no",
                 _tokens(o.max_seq_len) if o.max_seq_len else "-",
                 _gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " (crosses nodes)"),
+                _gib(o.ring_bytes_per_step),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
@@ -430,12 +454,12 @@ class Plan:
 
         table = Table(title=f"Per-rank memory, GiB: {self.shape.name}, {_tokens(self.seq_len)} tokens")
         columns = ["sp", "dp", "SAC", "dp kind", "params", "grads", "optim", "comm", "saved", "mask"]
-        for column in [*columns, "workspace", "peak", "fits", "max seq", "a2a GiB/step"]:
+        for column in [*columns, "workspace", "peak", "fits", "max seq", "a2a GiB/step", "ring GiB/step"]:
             table.add_column(column, justify="right")
         for o in self.options:
             m = o.memory
             table.add_row(
-                str(o.setup.sp_size),
+                o.setup.layout.describe(),
                 str(o.setup.dp_size),
                 "on" if o.setup.sac else "off",
                 o.setup.data_parallel,
@@ -446,6 +470,7 @@ class Plan:
                 "[green]yes[/]" if o.fits else "[red]no[/]",
                 _tokens(o.max_seq_len) if o.max_seq_len else "-",
                 _gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " *"),
+                _gib(o.ring_bytes_per_step),
             )
         return table
 
@@ -477,9 +502,17 @@ def max_seq_len(shape: ModelShape, setup: Setup, usable_bytes: int) -> int:
     return lo * P
 
 
-def valid_sp_sizes(shape: ModelShape, devices: int) -> list[int]:
-    """sp sizes that divide the devices and the attention heads (Ulysses splits heads)."""
-    return [p for p in range(1, devices + 1) if devices % p == 0 and shape.heads % p == 0]
+def valid_sp_sizes(
+    shape: ModelShape, devices: int, gpus_per_node: int = 8, ulysses_degree: UlyssesDegree = None
+) -> list[int]:
+    """sp sizes that divide the devices and that the strategy runs with this ``ulysses_degree``: all
+    Ulysses (None) splits the heads, so sp must divide them; with a ring ("auto", an int) sp may exceed
+    them (``sp_cost.sp_layout``)."""
+    return [
+        p
+        for p in range(1, devices + 1)
+        if devices % p == 0 and sp_layout(p, shape.heads, gpus_per_node, ulysses_degree) is not None
+    ]
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -505,6 +538,7 @@ def plan(
     compiler: Compiler = "inductor",
     optimizer_impl: OptimizerImpl = "foreach",
     reserve: float = 0.1,
+    ulysses_degree: UlyssesDegree = None,
 ) -> Plan:
     """Predict per-rank memory for every (sp_size, sac, data_parallel) and the longest trainable sequence.
 
@@ -513,7 +547,8 @@ def plan(
         seq_len: tokens per sequence (the global length, before sharding).
         devices: GPUs in all (dp x sp).
         memory_per_device: bytes of one GPU (e.g. ``torch.cuda.get_device_properties(0).total_memory``).
-        sp_sizes: the sp sizes to consider; default every divisor of ``devices`` that divides the heads.
+        sp_sizes: the sp sizes to consider; default every divisor of ``devices`` the strategy runs with
+            ``ulysses_degree`` (without a ring, those that divide the heads).
         sac: True/"auto" (sequence-aware checkpointing; "auto" is planned as True), False, or several.
         precision: Lightning's precision string ("bf16-mixed": fp32 weights, grads and AdamW state).
         batch_size: sequences per dp group per step.
@@ -527,16 +562,21 @@ def plan(
         optimizer_impl: "foreach" (PyTorch's default on GPU), "for_loop" (on CPU) or "fused": what the
             optimizer step allocates besides the state (Note [Step peak]).
         reserve: share of ``memory_per_device`` left for the CUDA context, NCCL and fragmentation.
+        ulysses_degree: as ``AutoSPStrategy``'s option: None (all of sp is Ulysses), "auto" or an int
+            (the rest of sp is ring attention, priced by ``sp_cost.py``: Note [Ring attention costs]).
     """
     shape = model_shape(model_or_config)
     if seq_len < 1 or devices < 1:
         raise ValueError(f"seq_len={seq_len} and devices={devices} must be positive.")
-    sizes = list(sp_sizes) if sp_sizes is not None else valid_sp_sizes(shape, devices)
-    bad = [p for p in sizes if devices % p or shape.heads % p or p > seq_len]
+    valid = valid_sp_sizes(shape, devices, gpus_per_node, ulysses_degree)
+    sizes = list(sp_sizes) if sp_sizes is not None else [p for p in valid if p <= seq_len]
+    bad = [p for p in sizes if p not in valid or p > seq_len]
     if bad:
+        ring_hint = "" if ulysses_degree is not None else " (ulysses_degree='auto' adds ring attention)"
         raise ValueError(
-            f"sp_size {bad} must divide devices={devices} and heads={shape.heads} and not exceed "
-            f"seq_len={seq_len}; use one of {valid_sp_sizes(shape, devices)}."
+            f"sp_size {bad} must divide devices={devices}, be possible with heads={shape.heads} and "
+            f"ulysses_degree={ulysses_degree!r}{ring_hint}, and not exceed seq_len={seq_len}; use one of "
+            f"{[p for p in valid if p <= seq_len]}."
         )
     usable = int(memory_per_device * (1 - reserve))
     options = []
@@ -556,6 +596,7 @@ def plan(
                     fsdp_gather=fsdp_gather,
                     compiler=compiler,
                     optimizer_impl=optimizer_impl,
+                    ulysses_degree=sp_layout(p, shape.heads, gpus_per_node, ulysses_degree).ulysses_degree,
                 )
                 options.append(
                     PlanOption(
@@ -565,6 +606,7 @@ def plan(
                         max_seq_len=max_seq_len(shape, setup, usable),
                         a2a_bytes_per_step=a2a_bytes_per_step(shape, setup, seq_len),
                         sp_within_node=p <= gpus_per_node,
+                        ring_bytes_per_step=ring_bytes_per_step(shape, setup, seq_len),
                     )
                 )
     return Plan(shape, seq_len, devices, int(memory_per_device), usable, gpus_per_node, options)
@@ -585,6 +627,7 @@ def choose_sp_size(
     loss_chunk_tokens: int | None = None,
     fsdp_gather: FSDPGather = "per_use",
     compiler: Compiler = "inductor",
+    ulysses_degree: UlyssesDegree = None,
 ) -> PlanOption:
     """The plan of the smallest sp_size whose step fits in ``memory_per_device``.
 
@@ -605,6 +648,7 @@ def choose_sp_size(
         loss_chunk_tokens=loss_chunk_tokens,
         fsdp_gather=fsdp_gather,
         compiler=compiler,
+        ulysses_degree=ulysses_degree,
     )
     best = result.best()
     if best is not None:
@@ -618,6 +662,8 @@ def choose_sp_size(
         hints.append("sac=True")
     if not chunked_loss:
         hints.append("chunked_loss=True")
+    if ulysses_degree is None and devices > result.shape.heads:
+        hints.append(f"ulysses_degree='auto' (ring attention takes sp beyond the {result.shape.heads} heads)")
     hints.append("more devices or a shorter max_seq_len")
     raise ValueError(
         f"No sp_size fits a {seq_len}-token step of {result.shape.name or 'the model'} on {devices} devices "
@@ -660,6 +706,7 @@ def auto_sp_size(
     loss_chunk_tokens: int | None,
     fsdp_gather: FSDPGather = "per_use",
     compiler: Compiler = "inductor",
+    ulysses_degree: UlyssesDegree = None,
 ) -> PlanOption:
     """``AutoSPStrategy(sp_size="auto")``: the smallest sp_size that fits ``max_seq_len`` tokens.
 
@@ -689,6 +736,7 @@ def auto_sp_size(
         loss_chunk_tokens=loss_chunk_tokens,
         fsdp_gather=fsdp_gather,
         compiler=compiler,
+        ulysses_degree=ulysses_degree,
     )
     rank_zero_info(f"sp_size='auto' for {max_seq_len} tokens: {chosen.describe()}")
     return chosen
@@ -700,39 +748,22 @@ def auto_sp_size(
 GPUS = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20}  # total memory as CUDA reports it
 
 
-@dataclass(frozen=True)
-class Throughput:
-    """Assumptions behind the all-to-all time estimate (H100/H200 SXM class)."""
-
-    flops: float = 989e12  # dense bf16 peak
-    mfu: float = 0.4  # share of the peak the step's compute reaches
-    nvlink: float = 300e9  # all-to-all bytes/s per GPU inside a node
-    network: float = 40e9  # bytes/s per GPU between nodes (one 400 Gb/s NIC per GPU)
-
-
-def step_flops(shape: ModelShape, setup: Setup, seq_len: int) -> float:
-    """FLOPs of one rank's step: matmuls (forward, backward, and SAC's recompute) and causal attention
-    (forward 2*B*S^2*H*D per layer, backward 2.5x that), split over the sp ranks."""
-    T = setup.batch_size * seq_len / setup.sp_size
-    linear = (6 + (2 if setup.sac else 0)) * shape.matmul_weight_params * T
-    attention = 3.5 * 2 * setup.batch_size * seq_len**2 * shape.attention_width * shape.layers / setup.sp_size
-    return linear + attention
-
-
-def a2a_share(
+def comm_share(
     shape: ModelShape, setup: Setup, seq_len: int, gpus_per_node: int, rates: Throughput = Throughput()
 ) -> float:
-    """All-to-all time over compute time per step (the all-to-alls do not overlap compute).
-
-    Of a rank's P - 1 peers, those in other nodes are reached over the network, the rest over NVLink.
-    """
-    P = setup.sp_size
-    if P == 1:
+    """Time of the all-to-alls and the ring's sends over compute time per step, as if they did not
+    overlap compute (``sp_cost.comm_seconds``)."""
+    if setup.sp_size == 1:
         return 0.0
-    remote = max(0, P - gpus_per_node) / (P - 1)
-    sent = a2a_bytes_per_step(shape, setup, seq_len)
-    seconds = sent * ((1 - remote) / rates.nvlink + remote / rates.network)
-    return seconds / (step_flops(shape, setup, seq_len) / (rates.flops * rates.mfu))
+    sent = comm_seconds(
+        a2a_bytes_per_step(shape, setup, seq_len),
+        ring_bytes_per_step(shape, setup, seq_len),
+        setup.layout,
+        gpus_per_node,
+        rates,
+    )
+    flops = step_flops(shape, seq_len, setup.batch_size, setup.sp_size, setup.sac)
+    return sent / (flops / (rates.flops * rates.mfu))
 
 
 def readme_table(
@@ -742,12 +773,16 @@ def readme_table(
     gpus: Mapping[str, int] = GPUS,
     gpus_per_node: int = 8,
     fsdp_gather: FSDPGather = "per_use",
+    ulysses_degree: UlyssesDegree = None,
 ) -> str:
     """Per (model, tokens, GPUs) and GPU memory: the smallest sp that fits (SAC, chunked loss,
-    bf16-mixed, FSDP), its peak, all-to-all bytes and their time against compute."""
+    bf16-mixed, FSDP), its peak, the bytes it sends (all-to-alls, and the ring's with ``ulysses_degree``)
+    and their time against compute."""
     columns = ["model", "tokens", "GPUs"]
+    ring = ulysses_degree is not None
     for name in gpus:
-        columns += [f"{name}: sp", "peak GiB", "a2a GiB/step/rank", "a2a / compute"]
+        columns += [f"{name}: sp", "peak GiB", "a2a GiB/step/rank"]
+        columns += ["ring GiB/step/rank", "comm / compute"] if ring else ["a2a / compute"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for shape in models:
         for seq_len in seq_lens:
@@ -763,16 +798,20 @@ def readme_table(
                         data_parallel="fsdp",
                         gpus_per_node=gpus_per_node,
                         fsdp_gather=fsdp_gather,
+                        ulysses_degree=ulysses_degree,
                     )
                     best = result.best()
                     if best is None:
                         top = max(result.options, key=lambda o: (o.max_seq_len, -o.setup.sp_size))
                         longest = f"max {_tokens(top.max_seq_len)} at sp={top.setup.sp_size}"
-                        cells += [f"no ({longest if top.max_seq_len else 'no sp fits'})", "-", "-", "-"]
+                        cells += [f"no ({longest if top.max_seq_len else 'no sp fits'})"]
+                        cells += ["-"] * (4 if ring else 3)
                         continue
-                    share = a2a_share(shape, best.setup, seq_len, gpus_per_node)
-                    sp = str(best.setup.sp_size) + ("" if best.sp_within_node else " *")
-                    cells += [sp, _gib(best.memory.total), _gib(best.a2a_bytes_per_step), f"{share:.1%}"]
+                    share = comm_share(shape, best.setup, seq_len, gpus_per_node)
+                    sp = best.setup.layout.describe() + ("" if best.sp_within_node else " *")
+                    cells += [sp, _gib(best.memory.total), _gib(best.a2a_bytes_per_step)]
+                    cells += [_gib(best.ring_bytes_per_step)] if ring else []
+                    cells += [f"{share:.1%}"]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -786,9 +825,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--memory-gib", type=float, default=GPUS["H100 80GB"] / GiB)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument(
+        "--ulysses-degree",
+        type=lambda value: value if value == "auto" else int(value),
+        default=None,
+        help="'auto' or an int: plan sp beyond the heads with ring attention (default: all Ulysses)",
+    )
     args = parser.parse_args(argv)
     if args.table:
-        print(readme_table(fsdp_gather=args.fsdp_gather))
+        print(readme_table(fsdp_gather=args.fsdp_gather, ulysses_degree=args.ulysses_degree))
         return
     shape = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}[args.model]
     result = plan(
@@ -798,6 +843,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.memory_gib * GiB,
         precision=args.precision,
         fsdp_gather=args.fsdp_gather,
+        ulysses_degree=args.ulysses_degree,
     )
     print(result.to_markdown())
 

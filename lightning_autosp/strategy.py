@@ -277,6 +277,7 @@ class AutoSPStrategy(DDPStrategy):
             fsdp_gather=self.fsdp_gather,
             compiler=self.compiler,
             precision=self.precision_plugin.precision,
+            ulysses_degree=self._ulysses_option,
             **self.loss_options,
         )
         self._sp_size = self.sp_plan.setup.sp_size
