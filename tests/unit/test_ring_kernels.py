@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_autosp.compiler import ring_kernels
+from lightning_autosp.compiler import ring, ring_kernels
 from lightning_autosp.compiler.ring import ring_args
 from lightning_autosp.compiler.ring_kernels import (
     KERNELS,
@@ -173,7 +173,10 @@ def test_kernel_blocks_equal_the_dense_fp32_block(kernel, dtype, tolerance, q_le
 )
 def test_ring_attention_on_the_cuda_kernel_paths_matches_sdpa(monkeypatch, kernel, dtype, tolerance) -> None:
     # 3 ring ranks, zigzag (full and causal-diagonal blocks of uneven lengths), GQA, head dim 12
-    monkeypatch.setattr(ring_kernels, "choose_kernel", lambda masked, query, value: (kernel, None))
+    chosen = []
+    monkeypatch.setattr(
+        ring, "choose_kernel", lambda masked, query, value: chosen.append(kernel) or (kernel, None)
+    )
     global_len, ring_degree = 40, 3
     full = [t.requires_grad_() for t in _qkv(global_len, global_len, dtype)]
     expected = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
@@ -205,6 +208,7 @@ def test_ring_attention_on_the_cuda_kernel_paths_matches_sdpa(monkeypatch, kerne
         key_grads[1][:, :, index] = grad_v
     close(key_grads[0], expected_grads[1])
     close(key_grads[1], expected_grads[2])
+    assert len(chosen) > 2 * ring_degree  # every block of forward and backward went through the kernel
 
 
 def test_kernel_choice_by_device_dtype_and_shape() -> None:
