@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
-# GPU check of the side-by-side benchmark, prepared to finish within 8 minutes on one machine.
+# The GPU checks, prepared as one run of at most TOTAL_S seconds (default 540) on one machine with CUDA
+# GPUs (a lent H200 gives a session 15 minutes of device time, machine start included).
 #
 #   bash benchmarks/gpu_check.sh             # on a machine with CUDA GPUs, from anywhere in the repository
-#   bash benchmarks/gpu_check.sh --dry-run   # anywhere: the plan, then the same code path on the CPU, tiny
+#   bash benchmarks/gpu_check.sh --dry-run   # anywhere: every step's code path on the CPU, tiny
 #
-# One GPU: `python -m benchmarks.run --suite gpu --nproc 1`, Llama-3.2-1B shapes cut to 4 layers, bf16,
-# Inductor, 32768 tokens: real peak memory (CUDA allocator stats) and step time of SAC on/off and of every
-# method that runs on one device, then the longest length each trains before a real CUDA out-of-memory
-# error (doubling, then bisection; SAC on/off first). Several GPUs: the same suite over all of them (sp =
-# number of GPUs), the longest length within 90% of each GPU's memory instead. The run stops starting new
-# work after DEADLINE_S seconds (default 330) and is killed after HARD_LIMIT_S (default 470); what it
-# measured is in benchmarks/results/gpu.json, gpu.md and gpu.png. Extra arguments go to benchmarks.run
-# (e.g. --models llama-8b --layers 2, --seq-lens 65536).
-set -euo pipefail
+# Steps, in this order, each killed at its time box (seconds; the environment variables override them):
+#   1. ring attention on the GPU kernels (RING_S=150): `python -m benchmarks.ring_kernels`: parity of
+#      the ring with SDPA per kernel (flash bf16/fp16 with a padded head dim, efficient fp32 and with
+#      flash off), time and peak memory against the dense fp32 fallback -> ring_kernels.json, .md
+#   2. the trainability suite (TRAIN_S=150): `python -m benchmarks.trainability --out FILE`, skipped with a
+#      message while that module does not exist -> trainability.json (extra arguments: TRAIN_ARGS)
+#   3. the model zoo (ZOO_S=150): `python -m benchmarks.zoo --out FILE`, likewise -> zoo.json (ZOO_ARGS)
+#   4. the side-by-side suite, `python -m benchmarks.run --suite gpu` (SP+SAC, SP, DeepSpeed, ...), in the
+#      time left (at least MIN_RUN_S=120, else skipped) -> gpu.json, .md, .png; extra arguments go to it.
+# Results go to GPU_CHECK_OUT (default benchmarks/results/gpu_check), with summary.md: the machine, and
+# every step's status, time and the tail of its log. Where OUT is set (the device tool's folder of files
+# to bring back), the results are packed into $OUT/gpu_check.tgz and summary.md and ring_kernels.md are
+# copied next to it.
+set -uo pipefail
 
 cd "$(dirname "$0")/.."
-DEADLINE_S="${DEADLINE_S:-330}"
-HARD_LIMIT_S="${HARD_LIMIT_S:-470}"
+TOTAL_S="${TOTAL_S:-540}"
+RING_S="${RING_S:-150}"
+TRAIN_S="${TRAIN_S:-150}"
+ZOO_S="${ZOO_S:-150}"
+MIN_RUN_S="${MIN_RUN_S:-120}"
+RESULTS="${GPU_CHECK_OUT:-benchmarks/results/gpu_check}"
+mkdir -p "$RESULTS"
+SUMMARY="$RESULTS/summary.md"
+start=$(date +%s)
 
 dry_run=0
 args=()
@@ -24,52 +37,103 @@ for arg in "$@"; do
   if [[ "$arg" == "--dry-run" ]]; then dry_run=1; else args+=("$arg"); fi
 done
 
-python - <<'EOF'
+left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
+box() { local cap=$1 remaining; remaining=$(left); echo $(( cap < remaining ? cap : remaining )); }
+has_module() { python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
+
+# step NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log it, record the outcome in summary.md
+step() {
+  local name=$1 seconds=$2 t0 status
+  shift 2
+  local log="$RESULTS/$name.log"
+  if (( seconds < 10 )); then
+    printf '| %s | skipped: %s s left of TOTAL_S=%s | | |\n' "$name" "$(left)" "$TOTAL_S" >> "$SUMMARY"
+    return
+  fi
+  echo "== $name (at most $seconds s): $*"
+  t0=$(date +%s)
+  timeout --kill-after=10 "$seconds" "$@" > "$log" 2>&1
+  status=$?
+  tail -n 15 "$log"
+  local outcome="exit $status"
+  (( status == 124 || status == 137 )) && outcome="killed at its time box ($seconds s)"
+  printf '| %s | %s | %s s | `%s` |\n' "$name" "$outcome" "$(( $(date +%s) - t0 ))" "$*" >> "$SUMMARY"
+}
+
+skip() { printf '| %s | skipped: %s | | |\n' "$1" "$2" >> "$SUMMARY"; echo "== $1 skipped: $2"; }
+
+{
+  echo "# GPU check ($(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null))"
+  echo
+  echo '```'
+  python - <<'EOF'
 import torch
-print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {torch.cuda.device_count()}")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: {torch.cuda.device_count()}")
 for i in range(torch.cuda.device_count()):
     props = torch.cuda.get_device_properties(i)
-    print(f"  cuda:{i} {props.name}, {props.total_memory / 2**30:.0f} GiB")
+    print(f"  cuda:{i} {props.name}, {props.total_memory / 2**30:.0f} GiB, sm{props.major}{props.minor}")
 EOF
-
-if [[ "$dry_run" == 1 ]]; then
-  # The plan of the real run (settings, parameter counts of the GPU shapes; nothing is allocated) ...
-  python -m benchmarks.run --suite gpu --dry-run ${args[@]+"${args[@]}"}
-  # ... and its code path end to end on the CPU at a tiny size: one rank, bf16, the out-of-memory search
-  # (three doublings; nothing runs out of memory on the CPU), the report.
-  out="$(mktemp -d)/gpu_dry_run.json"
-  timeout "$HARD_LIMIT_S" python -m benchmarks.run --suite gpu --device cpu --nproc 1 --models llama-smoke \
-    --seq-lens 128 --headline-len 128 --parity-len 128 --granularity 64 --compiler aot_eager \
-    --deadline-s "$DEADLINE_S" --out "$out" ${args[@]+"${args[@]}"}
-  python -m benchmarks.report "$out" > /dev/null
-  # Every method but ring (context_parallel has no CPU attention kernel) must have run and searched.
-  python - "$out" <<'EOF'
-import json, sys
-report = json.load(open(sys.argv[1]))
-problems = [
-    f"{s['method']}: {s.get('error') or (s.get('search') or {}).get('error')}"
-    for s in report["summary"]
-    if s["method"] != "ring" and (s["status"] != "ok" or (s.get("search") or {}).get("error"))
-]
-for s in report["summary"]:
-    print(f"{s['method']}: {s['status']}, max length {(s.get('search') or {}).get('max_len')}")
-sys.exit("dry run found problems:\n" + "\n".join(problems) if problems else 0)
-EOF
-  echo "dry run done: $out"
-  exit 0
-fi
+  echo '```'
+  echo
+  echo "| step | outcome | time | command |"
+  echo "|---|---|---:|---|"
+} > "$SUMMARY"
+cat "$SUMMARY"
 
 gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
-if [[ "$gpus" -lt 1 ]]; then
+if [[ "$dry_run" == 0 && "$gpus" -lt 1 ]]; then
   echo "no CUDA GPU found; use --dry-run to check the script on this machine" >&2
   exit 2
 fi
-start=$(date +%s)
-status=0
-timeout --kill-after=10 "$HARD_LIMIT_S" python -m benchmarks.run --suite gpu --nproc "$gpus" \
-  --deadline-s "$DEADLINE_S" ${args[@]+"${args[@]}"} || status=$?
-echo "benchmarks.run exit code $status after $(( $(date +%s) - start )) s"
-if [[ -f benchmarks/results/gpu.json ]]; then
-  cat benchmarks/results/gpu.md
+
+# 1. ring attention kernels
+if [[ "$dry_run" == 1 ]]; then
+  step ring_kernels "$(box "$RING_S")" python -m benchmarks.ring_kernels --device cpu --quick \
+    --out "$RESULTS/ring_kernels.json"
+else
+  step ring_kernels "$(box "$RING_S")" python -m benchmarks.ring_kernels --out "$RESULTS/ring_kernels.json"
 fi
-exit "$status"
+
+# 2, 3. suites that may not exist yet: run when their module is there
+for suite in trainability zoo; do
+  if ! has_module "benchmarks.$suite"; then
+    skip "$suite" "benchmarks/$suite.py does not exist in this checkout"
+    continue
+  fi
+  cap_var="$( [[ $suite == trainability ]] && echo TRAIN_S || echo ZOO_S )"
+  extra_var="$( [[ $suite == trainability ]] && echo TRAIN_ARGS || echo ZOO_ARGS )"
+  if [[ "$dry_run" == 1 ]]; then
+    skip "$suite" "dry run (its own options decide what a CPU run is)"
+    continue
+  fi
+  # shellcheck disable=SC2086  # the extra arguments are meant to split
+  step "$suite" "$(box "${!cap_var}")" python -m "benchmarks.$suite" --out "$RESULTS/$suite.json" ${!extra_var:-}
+done
+
+# 4. the side-by-side suite, in the time left
+remaining=$(left)
+if (( remaining < MIN_RUN_S )); then
+  skip side_by_side "$remaining s left, under MIN_RUN_S=$MIN_RUN_S"
+elif [[ "$dry_run" == 1 ]]; then
+  step side_by_side "$remaining" python -m benchmarks.run --suite gpu --device cpu --nproc 1 \
+    --models llama-smoke --seq-lens 128 --headline-len 128 --parity-len 128 --granularity 64 \
+    --compiler aot_eager --deadline-s $(( remaining - 60 > 30 ? remaining - 60 : 30 )) \
+    --out "$RESULTS/gpu.json" ${args[@]+"${args[@]}"}
+else
+  step side_by_side "$remaining" python -m benchmarks.run --suite gpu --nproc "$gpus" \
+    --deadline-s $(( remaining - 90 > 30 ? remaining - 90 : 30 )) --out "$RESULTS/gpu.json" \
+    ${args[@]+"${args[@]}"}
+fi
+
+echo >> "$SUMMARY"
+for md in ring_kernels gpu trainability zoo; do
+  [[ -f "$RESULTS/$md.md" ]] && { echo "## $md"; echo; cat "$RESULTS/$md.md"; echo; } >> "$SUMMARY"
+done
+echo "total $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
+if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then
+  tar czf "$OUT/gpu_check.tgz" -C "$RESULTS" .
+  cp "$SUMMARY" "$OUT/summary.md"
+  [[ -f "$RESULTS/ring_kernels.md" ]] && cp "$RESULTS/ring_kernels.md" "$OUT/"
+fi
+# Every step that ran must have passed (exit 0); skipped steps do not fail the check.
+! grep -q '| exit [1-9]\|killed at its time box' "$SUMMARY"

@@ -14,7 +14,7 @@ so the compiled graph, its partition and every saved tensor are those of rank ``
 ``MemoryMonitor`` does. ``--peak`` adds the step's CPU allocator high-water mark (profiler events,
 ``benchmarks.common.profiled_step``) against the planner's peak less what is allocated before the step
 (parameters, optimizer state, DDP buckets). ``--list`` prints every saved tensor (what
-Note [What is saved for backward] in ``lightning_autosp/planner.py`` is written from).
+Note [What is saved for backward] in ``lightning_autosp/memory_model.py`` is written from).
 """
 
 from __future__ import annotations

@@ -177,6 +177,9 @@ class LlamaModule(L.LightningModule):
     The defaults are a tiny model for CPU runs; ``examples/configs/llama_*.yaml`` set the shapes of
     Llama-3.2-1B and Llama-3.1-8B (``rope_theta``, ``rope_scaling`` and ``rms_norm_eps`` as in their configs;
     ``rope_scaling`` is a Hugging Face ``rope_scaling`` dict such as ``{"rope_type": "llama3", ...}``).
+    ``meta_init=True`` builds the model in ``configure_model`` on the meta device: with
+    ``AutoSPStrategy(data_parallel="fsdp")`` each rank then allocates and initialises only its shard
+    (with ``"ddp"``, the whole model), so no process ever holds the whole model on the CPU.
     """
 
     def __init__(
@@ -194,30 +197,40 @@ class LlamaModule(L.LightningModule):
         tie_word_embeddings: bool = False,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
+        meta_init: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.model = None if meta_init else self._build()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = self._build()
+
+    def _build(self) -> nn.Module:
         # Imported here so that the rest of this module works without the optional ``hf`` extra.
         require("transformers", extra="hf", needed_by="examples.models.LlamaModule")
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        h = self.hparams
         config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads,
-            max_position_embeddings=max_position_embeddings,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=rms_norm_eps,
-            tie_word_embeddings=tie_word_embeddings,
+            vocab_size=h.vocab_size,
+            hidden_size=h.hidden_size,
+            intermediate_size=h.intermediate_size,
+            num_hidden_layers=h.num_hidden_layers,
+            num_attention_heads=h.num_attention_heads,
+            num_key_value_heads=h.num_key_value_heads,
+            max_position_embeddings=h.max_position_embeddings,
+            rope_theta=h.rope_theta,
+            rope_scaling=h.rope_scaling,
+            rms_norm_eps=h.rms_norm_eps,
+            tie_word_embeddings=h.tie_word_embeddings,
             # SDPA is the attention op the sequence-parallel passes rewrite.
             attn_implementation="sdpa",
             use_cache=False,
         )
-        self.model = LlamaForCausalLM(config)
+        return LlamaForCausalLM(config)
 
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         return self.model(input_ids=input_ids, **kwargs)

@@ -462,13 +462,23 @@ class SequenceThroughputMonitor(ThroughputMonitor):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        dp_size = self.data_parallel_size(trainer)
+        if self.sp_size is not None:  # checked now; the strategy's own sp_size may not be chosen yet
+            self.data_parallel_size(trainer)
         super().setup(trainer, pl_module, stage)
         self._strategy = trainer.strategy
-        device_flops = self._device_flops or self.available_flops
-        self.available_flops = device_flops * self.resolved_sp_size(trainer) if device_flops else None
-        # ThroughputMonitor made one Throughput per stage for the world size; the same, for the dp groups.
-        for running_stage in self._throughputs:
-            self._throughputs[running_stage] = Throughput(
-                available_flops=self.available_flops, world_size=dp_size, **self.kwargs
-            )
+        self._counts_dp_groups = False
+
+    @override
+    def _start(self, trainer: Trainer) -> None:
+        # ThroughputMonitor made one Throughput per stage for the world size; the same for the dp groups,
+        # made here: the strategy chooses sp_size="auto" in its setup, after the callbacks' setup.
+        if not self._counts_dp_groups:
+            dp_size = self.data_parallel_size(trainer)
+            device_flops = self._device_flops or self.available_flops
+            self.available_flops = device_flops * self.resolved_sp_size(trainer) if device_flops else None
+            for running_stage in self._throughputs:
+                self._throughputs[running_stage] = Throughput(
+                    available_flops=self.available_flops, world_size=dp_size, **self.kwargs
+                )
+            self._counts_dp_groups = True
+        super()._start(trainer)

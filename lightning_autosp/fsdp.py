@@ -144,7 +144,10 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
             param = submodule._parameters[name]
             if id(param) not in sharded:
                 placement = Shard(0) if param.dim() > 0 else Replicate()
-                local = distribute_tensor(param.detach(), mesh, [placement])
+                # A meta parameter has no data to scatter: each rank keeps its shard's shape, and
+                # meta_init.materialize fills it later.
+                source = None if param.is_meta else 0
+                local = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=source)
                 sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
             submodule._parameters[name] = sharded[id(param)]
         submodule.__class__ = _class_gathering(type(submodule), names, gathered_classes)
@@ -186,6 +189,13 @@ class _GatheringModule:
     """Marks a module class made by :func:`shard_parameters`."""
 
 
+def unsharded_class(cls: type) -> type:
+    """The user's class behind a gathering class of :func:`shard_parameters` (``cls`` for any other)."""
+    if issubclass(cls, _GatheringModule):
+        return next(base for base in cls.__mro__[1:] if not issubclass(base, _GatheringModule))
+    return cls
+
+
 def check_user_sharding(module: nn.Module, world_size: int) -> None:
     """Raise unless every parameter is sharded over all ``world_size`` ranks; warn on units in containers."""
     unsharded = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
@@ -223,13 +233,22 @@ def setup_fully_sharded(
     """``DDPStrategy.setup`` with sharding in place of DDP (for evaluation too: the weights stay sharded).
 
     A module sharded by an earlier Trainer run (fit, then validate) is on its device and in its dtype
-    already; moving it again would swap DTensor parameters that compiled code still refers to.
+    already; moving it again would swap DTensor parameters that compiled code still refers to. A module
+    built on the meta device is sharded there, and then each rank allocates and initialises its shard
+    (``meta_init.materialize``): no rank holds the whole model.
     """
+    from lightning_autosp.meta_init import has_meta_tensors, materialize
+
     strategy.accelerator.setup(trainer)
+    on_meta = has_meta_tensors(strategy.model)
     if not sharded_per_use(strategy.model):
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
-        strategy.model_to_device()
+        if not on_meta:
+            strategy.model_to_device()
     shard_module(strategy.model, mesh, gather)
+    if on_meta:
+        materialize(strategy.model, strategy.root_device)
+        strategy.model_to_device()  # what was built off the meta device
     fitting = trainer.state.fn == TrainerFn.FITTING
     if fitting:
         strategy.setup_optimizers(trainer)

@@ -9,59 +9,17 @@ Shape letters: B micro-batch (per dp group), S global sequence, P sp ranks, T = 
 tokens per rank, L layers, h hidden, H heads, D head dim, h_kv = kv heads * D, I MLP width, V vocab,
 N parameters, W = devices (dp x sp ranks).
 
-Note [What is saved for backward]
-    Counted tensor by tensor from the partitioned graphs of a 2-layer GPT and HF Llama (sp=1 and
-    sp=2, fp32, bf16 and bf16-mixed; ``benchmarks/planner.py`` prints the list), per rank:
-
-    - SAC on (``compiler/sac.py``): per layer the attention output [B, H/P, S, D] and its
-      logsumexp (fp32); with P > 1 also the all-to-all outputs q, k, v [B, H/P, S, D] and the
-      attention output back in sequence layout [B, S/P, h]; the residual stream at every block
-      input but the first (rebuilt from the token ids); the shifted labels. Everything else,
-      the logits included, is recomputed in backward.
-    - SAC off (PyTorch's min-cut): per layer the norm outputs and statistics, q, k, v, the attention
-      output and logsumexp, the attention output in sequence layout, the residual after attention and
-      after the MLP, and the MLP's matmul outputs (3 of width I for a gated MLP, 2 for a GELU one);
-      once: the first block's input, rotary cos/sin, the final norm output, ``log_softmax`` of the
-      logits (unless the loss is chunked), an explicit attention mask if the model builds one
-      ([S, S], not divided by P) and, under autocast, the low-precision copies of the matmul weights.
-
-    Dtypes under bf16-mixed: matmul outputs bf16, the residual stream fp32 (the embeddings are
-    fp32). Rotary q and k come out fp32 (cos and sin are fp32); the SP pass casts them to bf16
-    before the all-to-all, as attention would after it.
-
-Note [Step peak]
-    peak = max(params + optimizer + comm buffers + attention mask
-               + max(saved activations + workspace, grads),              # forward and backward
-               params + optimizer + DDP buckets + local grads
-               + optimizer workspace)                                      # optimizer.step()
-    Backward frees activations as it makes gradients (Lightning sets them to None between steps), so
-    the step peaks either when backward starts (everything saved, plus the workspace) or when it
-    ends (all gradients). That holds for Inductor, which frees each saved tensor after its last use;
-    ``compiler="aot_eager"`` keeps them all until backward returns, so there the end of backward
-    holds the saved activations and all gradients at once (the profiler puts the peak at 0.99 of the
-    step). The workspace is the larger of the logits' (logits, their fp32 copy and
-    gradient for T tokens, or for one chunk with the chunked loss) and one layer's backward: with
-    SAC the layer rebuilt (what it would save without SAC, less q, k, v and the attention outputs,
-    which SAC keeps), plus the gradients of the residual stream, of the MLP (three MLP-wide ones when
-    a gated MLP is rebuilt), of the norms (fp32 under autocast) and of q, k, v. Against allocator peaks
-    measured on CPU (``benchmarks/planner.py --peak``) it errs from -14% to +7% on 8-layer models and
-    from -20% to +21% on 2-layer ones, where one layer's workspace is a large share of the peak; the
-    saved activations, which dominate at scale, are within 7%.
-    The optimizer step holds every local gradient at once, and its temporaries: the foreach
-    implementation (PyTorch's default on GPU) makes a copy of all local parameters (AdamW's sqrt of the
-    second moment), the for-loop one (the default on CPU) two of the largest, the fused one none.
-    Whole Lightning training steps (a 44.6M-parameter Llama, 2 and 4 ranks, ``benchmarks/fsdp_memory.py``)
-    come within -9% to 0% for "ddp" (whose peak is the optimizer step) and both "fsdp" modes.
-    ``reserve`` (default 10% of the device) is left for the CUDA context, NCCL and fragmentation.
+The per-step memory model, by component, is ``memory_model.py`` (Note [What is saved for backward],
+Note [Step peak]); what sequence parallelism sends, ring attention included, is ``sp_cost.py``; the
+model's shapes are ``model_shapes.py``. This module chooses among setups and prints plans.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -69,6 +27,23 @@ from torch import nn
 
 from lightning_autosp.compiler.backend import Compiler
 from lightning_autosp.fsdp import DataParallel, FSDPGather
+from lightning_autosp.memory_model import (
+    MemoryBreakdown,
+    OptimizerImpl,
+    Setup,
+    a2a_bytes_per_step,
+    ring_bytes_per_step,
+    saved_activations,
+    step_memory,
+)
+from lightning_autosp.model_shapes import LLAMA_3_1_8B, LLAMA_3_1_70B, ModelShape, model_shape
+from lightning_autosp.sp_cost import (
+    Throughput,
+    UlyssesDegree,
+    comm_seconds,
+    sp_layout,
+    step_flops,
+)
 
 __all__ = [
     "LLAMA_3_1_70B",
@@ -79,6 +54,7 @@ __all__ = [
     "PlanOption",
     "Setup",
     "a2a_bytes_per_step",
+    "ring_bytes_per_step",
     "choose_sp_size",
     "model_shape",
     "plan",
@@ -87,500 +63,6 @@ __all__ = [
 ]
 
 GiB = 2**30
-OptimizerImpl = Literal["foreach", "for_loop", "fused"]
-_PRECISIONS = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
-# A chunk of the chunked loss holds at most this many logits (compiler/chunked_loss.py).
-_LOGITS_CHUNK_ELEMENTS = 2**26
-
-
-# --------------------------------------------------------------------------------------------------
-# model shapes
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs to know about a decoder-only transformer.
-
-    ``params`` is the exact count when a module was given; otherwise it is computed from the shapes.
-    ``attention_mask``: the model builds an explicit [S, S] causal mask for attention (HF transformers
-    does under ``torch.compile`` with torch < 2.14); with sp_size > 1 the SP pass replaces it by
-    ``is_causal=True``, so it costs memory at sp_size=1 only. ``repeats_kv``: the model repeats K/V to
-    all heads before attention (HF does when it builds a mask).
-    ``loss_in_fp32``: logits are cast to fp32 before the loss (HF).
-    """
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    head_dim: int | None = None
-    gated_mlp: bool = True
-    norm: Literal["rms", "layer"] = "rms"
-    bias: bool = False
-    rotary: bool = True
-    learned_positions: int = 0
-    tied_embeddings: bool = False
-    attention_mask: bool = False
-    repeats_kv: bool = False
-    loss_in_fp32: bool = False
-    params: int | None = None
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads}.")
-        if self.head_dim is None and self.hidden % self.heads:
-            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}; give head_dim.")
-
-    @property
-    def d(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    @property
-    def attention_width(self) -> int:
-        """H * D: the width of q and of the attention output (may differ from ``hidden``)."""
-        return self.heads * self.d
-
-    @property
-    def layer_params(self) -> int:
-        h, q, kv, inner = self.hidden, self.attention_width, self.kv_heads * self.d, self.intermediate
-        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv + h if self.bias else 0)
-        matrices = 3 if self.gated_mlp else 2
-        mlp = matrices * h * inner + (inner + h if self.bias and not self.gated_mlp else 0)
-        norms = 2 * h * (2 if self.norm == "layer" else 1)
-        return attention + mlp + norms
-
-    @property
-    def layer_matrix_params(self) -> int:
-        """The largest weight matrix of a layer (q/k/v fused or not, it is at most this)."""
-        h, q, kv = self.hidden, self.attention_width, self.kv_heads * self.d
-        return max(h * (q + 2 * kv), h * self.intermediate)
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden + self.learned_positions * self.hidden
-
-    @property
-    def matmul_weight_params(self) -> int:
-        """Weights that feed matmuls (cast to bf16 under autocast): all layers' and the LM head."""
-        h, q, kv = self.hidden, self.attention_width, self.kv_heads * self.d
-        per_layer = h * (q + 2 * kv) + q * h + (3 if self.gated_mlp else 2) * h * self.intermediate
-        return self.layers * per_layer + self.vocab * h
-
-    @property
-    def param_count(self) -> int:
-        if self.params is not None:
-            return self.params
-        final_norm = self.hidden * (2 if self.norm == "layer" else 1)
-        head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return self.embedding_params + self.layers * self.layer_params + final_norm + head
-
-    def kv_heads_at_attention(self, sp_size: int) -> int:
-        """K/V heads that reach attention (and its all-to-all) on ``sp_size`` ranks.
-
-        HF repeats K/V to all heads when it passes a mask; the SP pass (sp_size > 1) undoes that repeat
-        and repeats them only to a multiple of ``sp_size`` when they cannot be split
-        (``compiler/sp_pass.py``).
-        """
-        if self.repeats_kv and sp_size == 1:
-            return self.heads
-        if self.kv_heads % sp_size:
-            return self.kv_heads * (sp_size // math.gcd(self.kv_heads, sp_size))
-        return self.kv_heads
-
-
-# Shapes of meta-llama/Llama-3.1-8B and -70B (their config.json). Attention as torch >= 2.14 runs HF
-# models under compile: no mask, K/V heads not repeated (``model_shape(LlamaConfig(...))`` on older
-# torch sets ``repeats_kv``, as measured).
-LLAMA_3_1_8B = ModelShape(
-    hidden=4096,
-    layers=32,
-    heads=32,
-    kv_heads=8,
-    intermediate=14336,
-    vocab=128256,
-    loss_in_fp32=True,
-    name="Llama-3.1-8B",
-)
-LLAMA_3_1_70B = ModelShape(
-    hidden=8192,
-    layers=80,
-    heads=64,
-    kv_heads=8,
-    intermediate=28672,
-    vocab=128256,
-    loss_in_fp32=True,
-    name="Llama-3.1-70B",
-)
-
-
-def hf_builds_mask_under_compile() -> bool:
-    """Whether HF transformers materializes the causal mask when the model runs under torch.compile.
-
-    transformers (``masking_utils._ignore_causal_mask_sdpa``) skips the mask and passes
-    ``is_causal=True`` unless Dynamo reports exporting, which it does for every compile before torch
-    2.14 (pytorch#176499). Measured with torch 2.13 and transformers 5.24: a [1, 1, S, S] mask.
-    """
-    return torch.torch_version.TorchVersion(torch.__version__) < (2, 14)
-
-
-_GATED_MODEL_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo2"}
-
-
-def _from_hf_config(config: Any, params: int | None = None, name: str = "") -> ModelShape:
-    get = lambda key, default=None: getattr(config, key, None) or default
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
-    layers, vocab = get("num_hidden_layers"), get("vocab_size")
-    if None in (hidden, heads, layers, vocab):
-        raise TypeError(
-            f"{type(config).__name__} lacks hidden_size, num_attention_heads, num_hidden_layers or "
-            "vocab_size; pass a ModelShape instead."
-        )
-    model_type = get("model_type", "")
-    gated = model_type in _GATED_MODEL_TYPES or get("hidden_act", "") in ("silu", "swish")
-    intermediate = get("intermediate_size") or get("n_inner") or 4 * hidden
-    mask = hf_builds_mask_under_compile()
-    learned = 0 if get("rope_theta") or get("rope_parameters") or gated else get("max_position_embeddings", 0)
-    return ModelShape(
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=get("num_key_value_heads", heads),
-        intermediate=intermediate,
-        vocab=vocab,
-        head_dim=get("head_dim"),
-        gated_mlp=gated,
-        norm="rms" if get("rms_norm_eps") else "layer",
-        bias=bool(get("attention_bias") or get("mlp_bias") or not gated),
-        rotary=learned == 0,
-        learned_positions=learned,
-        tied_embeddings=bool(get("tie_word_embeddings", False)),
-        attention_mask=mask,
-        repeats_kv=mask,
-        loss_in_fp32=True,
-        params=params,
-        name=name or model_type,
-    )
-
-
-def _from_gpt_config(config: Mapping[str, Any], params: int | None = None, name: str = "") -> ModelShape:
-    """``examples.models.TinyGPT``'s constructor arguments (also GPTModule's hparams)."""
-    hidden = config["n_embd"]
-    return ModelShape(
-        hidden=hidden,
-        layers=config["n_layer"],
-        heads=config["n_head"],
-        kv_heads=config["n_head"],
-        intermediate=4 * hidden,
-        vocab=config["vocab_size"],
-        gated_mlp=False,
-        norm="layer",
-        bias=True,
-        rotary=False,
-        learned_positions=config.get("block_size", 1024),
-        params=params,
-        name=name or "TinyGPT",
-    )
-
-
-def _is_gpt_config(config: Mapping[str, Any]) -> bool:
-    return all(key in config for key in ("n_embd", "n_layer", "n_head", "vocab_size"))
-
-
-def _distinct_param_count(module: nn.Module) -> int:
-    seen: dict[Any, int] = {}
-    for p in module.parameters():
-        key = (p.device, p.untyped_storage().data_ptr()) if p.device.type != "meta" else id(p)
-        seen.setdefault(key, p.numel())
-    return sum(seen.values())
-
-
-def model_shape(model_or_config: Any) -> ModelShape:
-    """A :class:`ModelShape` from a ModelShape, an HF config (LlamaConfig, ...), TinyGPT's config dict,
-    or an ``nn.Module`` (its parameters counted; shapes from a ``config`` attribute on it or a
-    submodule, or from a LightningModule's ``hparams``)."""
-    if isinstance(model_or_config, ModelShape):
-        return model_or_config
-    if isinstance(model_or_config, nn.Module):
-        params = _distinct_param_count(model_or_config)
-        name = type(model_or_config).__name__
-        for module in model_or_config.modules():
-            config = getattr(module, "config", None)
-            if config is not None and hasattr(config, "num_hidden_layers"):
-                return _from_hf_config(config, params, name)
-        hparams = getattr(model_or_config, "hparams", None)
-        if isinstance(hparams, Mapping) and hparams:
-            shape = model_shape(dict(hparams))
-            return replace(shape, params=params, name=name)
-        raise TypeError(
-            f"Cannot read the shapes of {name}: it has no HF `config` attribute (on it or a submodule) and "
-            "no hparams with TinyGPT's (n_embd, n_layer, n_head, vocab_size) or HF names (hidden_size, ...). "
-            "Pass a ModelShape(hidden=..., layers=..., heads=..., kv_heads=..., intermediate=..., vocab=...)."
-        )
-    if isinstance(model_or_config, Mapping):
-        if _is_gpt_config(model_or_config):
-            return _from_gpt_config(model_or_config)
-        if "hidden_size" in model_or_config:
-            return _from_hf_config(argparse.Namespace(**model_or_config))
-        raise TypeError(
-            f"A config dict needs TinyGPT's keys (n_embd, n_layer, n_head, vocab_size) or HF's (hidden_size, "
-            f"num_hidden_layers, num_attention_heads, vocab_size); got {sorted(model_or_config)}."
-        )
-    if hasattr(model_or_config, "num_hidden_layers"):
-        return _from_hf_config(model_or_config, name=type(model_or_config).__name__.removesuffix("Config"))
-    raise TypeError(
-        f"Cannot plan for a {type(model_or_config).__name__}; pass an nn.Module, an HF config, TinyGPT's "
-        "config dict or a ModelShape."
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# one setup
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One way to run the step: parallelism, recompute policy, precision and loss."""
-
-    sp_size: int
-    devices: int
-    sac: bool = True
-    data_parallel: DataParallel = "ddp"
-    precision: str = "bf16-mixed"
-    batch_size: int = 1
-    chunked_loss: bool = True
-    loss_chunk_tokens: int | None = None
-    optimizer_states: int = 2
-    fsdp_gather: FSDPGather = "per_use"
-    compiler: Compiler = "inductor"
-    optimizer_impl: OptimizerImpl = "foreach"
-
-    def __post_init__(self) -> None:
-        precision = _PRECISIONS.get(self.precision, self.precision)
-        if precision not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"):
-            raise ValueError(
-                f"precision={self.precision!r} is not supported; use '32-true', 'bf16-mixed', '16-mixed', "
-                "'bf16-true' or '16-true'."
-            )
-        object.__setattr__(self, "precision", precision)
-        if self.data_parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"data_parallel={self.data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
-        if self.sp_size < 1 or self.devices % self.sp_size:
-            raise ValueError(f"sp_size={self.sp_size} must divide devices={self.devices}.")
-
-    @property
-    def dp_size(self) -> int:
-        return self.devices // self.sp_size
-
-    @property
-    def mixed(self) -> bool:
-        return self.precision.endswith("-mixed")
-
-    @property
-    def param_bytes(self) -> int:
-        return 4 if self.precision == "32-true" or self.mixed else 2
-
-    @property
-    def act_bytes(self) -> int:
-        """Matmul outputs and attention tensors."""
-        return 4 if self.precision == "32-true" else 2
-
-
-@dataclass(frozen=True)
-class _Sizes:
-    """Element counts and byte widths of one (shape, setup, seq_len)."""
-
-    tokens: int  # T: this rank's tokens (the largest shard)
-    head_tokens: int  # B * S / P: per-head-dim elements of q in head layout
-    x: int  # matmul outputs
-    r: int  # residual stream
-    kv_width: int  # h_kv at attention
-
-    @classmethod
-    def of(cls, shape: ModelShape, setup: Setup, seq_len: int) -> _Sizes:
-        P, B = setup.sp_size, setup.batch_size
-        x = setup.act_bytes
-        r = setup.param_bytes if setup.mixed else x
-        return cls(
-            tokens=B * math.ceil(seq_len / P),
-            head_tokens=B * seq_len // P,
-            x=x,
-            r=r,
-            kv_width=shape.kv_heads_at_attention(P) * shape.d,
-        )
-
-
-def _layer_without_sac(shape: ModelShape, s: _Sizes) -> dict[str, int]:
-    """What one layer saves under PyTorch's min-cut partitioner (also what SAC rebuilds in backward)."""
-    T, h, q = s.tokens, shape.hidden, shape.attention_width
-    stats = T * 4 * (2 if shape.norm == "layer" else 1)  # mean and rstd, or rsqrt
-    return {
-        "q, k, v": s.head_tokens * (q + 2 * s.kv_width) * s.x,
-        # in head layout with its logsumexp, and in sequence layout (the output projection's input)
-        "attention out + logsumexp": s.head_tokens * (q * s.x + shape.heads * 4) + T * q * s.x,
-        "norms": 2 * (T * h * s.x + stats),
-        "residual stream": 2 * T * h * s.r,  # after attention, after the MLP
-        "MLP": (3 if shape.gated_mlp else 2) * T * shape.intermediate * s.x,
-    }
-
-
-def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str, int]:
-    """Bytes this rank saves for backward, by kind (Note [What is saved for backward])."""
-    s = _Sizes.of(shape, setup, seq_len)
-    T, L, h, q = s.tokens, shape.layers, shape.hidden, shape.attention_width
-    if setup.sac:
-        saved = {"attention out + logsumexp": L * s.head_tokens * (q * s.x + shape.heads * 4)}
-        if setup.sp_size > 1:
-            saved["q, k, v after all-to-all"] = L * s.head_tokens * (q + 2 * s.kv_width) * s.x
-            saved["attention out after all-to-all"] = L * T * q * s.x
-            saved["labels"] = T * 8
-        # The first block's input (the embedding's output) is rebuilt in backward, unless that would
-        # gather the sharded table again (data_parallel="fsdp", per use).
-        gathers_table = setup.data_parallel == "fsdp" and setup.fsdp_gather == "per_use"
-        saved["block inputs"] = (L if gathers_table else L - 1) * T * h * s.r
-        return saved
-    saved = {name: L * size for name, size in _layer_without_sac(shape, s).items()}
-    stats = T * 4 * (2 if shape.norm == "layer" else 1)
-    saved["norms"] += T * h * s.x + stats  # the final norm
-    saved["residual stream"] += T * h * s.r  # the first block's input
-    saved["positions"] = T * shape.d * 4 if shape.rotary else T * 8
-    saved["labels"] = T * 8
-    if not setup.chunked_loss:
-        saved["log_softmax"] = T * shape.vocab * (4 if shape.loss_in_fp32 or setup.mixed else s.x)
-    if setup.mixed:
-        saved["bf16 weight copies"] = shape.matmul_weight_params * 2
-    if _mask_bytes(shape, setup, seq_len):
-        saved["attention mask"] = _mask_bytes(shape, setup, seq_len)
-    return saved
-
-
-def _mask_bytes(shape: ModelShape, setup: Setup, seq_len: int) -> int:
-    """An explicit [B, 1, S, S] mask in the compute dtype (the SP pass drops a causal one)."""
-    if not shape.attention_mask or setup.sp_size > 1:
-        return 0
-    return setup.batch_size * seq_len * seq_len * setup.act_bytes
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes per rank at the step's peak, by component (Note [Step peak])."""
-
-    params: int
-    grads: int
-    optimizer: int
-    comm_buffers: int
-    activations: int
-    attention_mask: int
-    logits_workspace: int
-    layer_workspace: int
-    optimizer_workspace: int = 0
-    optimizer_step: int = 0  # the optimizer step's own peak, all of it (Note [Step peak])
-    activations_freed_in_backward: bool = True
-
-    @property
-    def workspace(self) -> int:
-        return max(self.logits_workspace, self.layer_workspace)
-
-    @property
-    def forward_backward(self) -> int:
-        """The peak of forward and backward (Note [Step peak])."""
-        held = self.params + self.optimizer + self.comm_buffers + self.attention_mask
-        at_backward_end = self.grads + (0 if self.activations_freed_in_backward else self.activations)
-        return held + max(self.activations + self.workspace, at_backward_end)
-
-    @property
-    def total(self) -> int:
-        """The step's peak: forward and backward, or the optimizer step (Note [Step peak])."""
-        return max(self.forward_backward, self.optimizer_step)
-
-    def items(self) -> list[tuple[str, int]]:
-        """The components, and the total."""
-        components = [f.name for f in fields(self) if f.type in (int, "int") and f.name != "optimizer_step"]
-        return [(name, getattr(self, name)) for name in components] + [("total", self.total)]
-
-
-def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdown:
-    """Per-rank peak memory of one training step of ``seq_len`` tokens, by component."""
-    s = _Sizes.of(shape, setup, seq_len)
-    T, h, q, inner = s.tokens, shape.hidden, shape.attention_width, shape.intermediate
-    N = shape.param_count
-    pb = setup.param_bytes
-    state = N * pb * setup.optimizer_states
-    a2a_staging = 2 * s.head_tokens * q * s.x if setup.sp_size > 1 else 0
-    if setup.data_parallel == "ddp":
-        params, grads, optimizer = N * pb, N * pb, state
-        dp_buffers = N * pb  # DDP's gradient buckets (gradient_as_bucket_view=False)
-        local_grads, shards = grads, 1
-    else:
-        W = setup.devices
-        # The all-gathered parameters alive at once, and their unsharded gradients before the
-        # reduce-scatter (lightning_autosp/fsdp.py): per use, a layer's (if the compiler groups its
-        # gathers) or the embedding / LM head, the largest single matrix; per step, the whole model.
-        params, optimizer, local_grads, shards = N * pb // W, state // W, N * pb // W, W
-        if setup.fsdp_gather == "per_step":
-            grads, dp_buffers = local_grads + N * pb, N * pb
-        else:
-            # A gathered parameter and its unsharded gradient exist together, in its layer's backward.
-            unit = max(shape.layer_params, shape.embedding_params)
-            grads, dp_buffers = local_grads, 2 * unit * pb
-    # optimizer.step() holds the local gradients, DDP's buckets and its temporaries (Note [Step peak])
-    largest = max(shape.vocab * shape.hidden, shape.layer_matrix_params) * pb // shards
-    optimizer_workspace = {"foreach": local_grads, "for_loop": 2 * largest, "fused": 0}[setup.optimizer_impl]
-    ddp_buckets = dp_buffers if setup.data_parallel == "ddp" else 0
-    saved = saved_activations(shape, setup, seq_len)
-    mask = _mask_bytes(shape, setup, seq_len)  # saved or rebuilt in backward: held once either way
-    activations = sum(saved.values()) - saved.get("attention mask", 0)
-
-    vocab_tokens = T * shape.vocab
-    if setup.chunked_loss:
-        chunk = setup.loss_chunk_tokens or max(1, _LOGITS_CHUNK_ELEMENTS // shape.vocab)
-        vocab_tokens = min(T, chunk) * shape.vocab
-    # The logits and their fp32 log_softmax (and its gradient): without SAC and chunking the
-    # log_softmax is among the saved activations; otherwise it is made here, in backward.
-    logits = vocab_tokens * (s.x + 4 + (4 if setup.sac or setup.chunked_loss else 0))
-
-    # SAC rebuilds a layer in backward, but not what it keeps: q, k, v and the attention outputs are
-    # among the saved activations already.
-    kept_by_sac = ("q, k, v", "attention out + logsumexp")
-    rebuilt = {name: size for name, size in _layer_without_sac(shape, s).items() if name not in kept_by_sac}
-    recompute = sum(rebuilt.values()) if setup.sac else 0
-    # Rebuilding a gated MLP in backward holds the gradients of both branches and of their product at
-    # once (Inductor's backward graphs on CPU); with SAC off one MLP-wide gradient at a time.
-    mlp_gradients = (3 if shape.gated_mlp and setup.sac else 1) * T * inner * s.x
-    # Norms run in fp32 under autocast (HF's RMSNorm upcasts; layer_norm is on autocast's fp32 list):
-    # their backward holds an fp32 gradient and temporary the width of the residual stream.
-    norm_gradients = 2 * T * h * 4 if setup.mixed else 0
-    gradients = T * h * s.r + mlp_gradients + norm_gradients + s.head_tokens * (q + 2 * s.kv_width) * s.x
-    return MemoryBreakdown(
-        params=params,
-        grads=grads,
-        optimizer=optimizer,
-        comm_buffers=dp_buffers + a2a_staging,
-        activations=activations,
-        attention_mask=mask,
-        logits_workspace=logits,
-        layer_workspace=recompute + gradients,
-        optimizer_workspace=optimizer_workspace,
-        optimizer_step=params + optimizer + local_grads + optimizer_workspace + ddp_buckets,
-        activations_freed_in_backward=setup.compiler == "inductor",
-    )
-
-
-def a2a_bytes_per_step(shape: ModelShape, setup: Setup, seq_len: int) -> int:
-    """Bytes each rank sends through the Ulysses all-to-alls in one step (forward + backward).
-
-    Per layer and direction (S/P) * ((P-1)/P) * (2h + 2h_kv) elements per sequence: q, k, v out and
-    the attention output back; backward sends their gradients. SAC never recomputes a collective.
-    """
-    P = setup.sp_size
-    if P == 1:
-        return 0
-    s = _Sizes.of(shape, setup, seq_len)
-    q = shape.attention_width
-    per_token = (q + 2 * s.kv_width) * s.x + q * s.x
-    return round(2 * shape.layers * s.head_tokens * (P - 1) / P * per_token)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -597,20 +79,24 @@ class PlanOption:
     max_seq_len: int
     a2a_bytes_per_step: int
     sp_within_node: bool
+    ring_bytes_per_step: int = 0
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.usable_bytes
 
     def describe(self) -> str:
-        """One line: the setup, its peak by component, and the longest sequence it fits."""
+        """One line: the setup, its peak by component, the longest sequence it fits and what it sends."""
         s, m = self.setup, self.memory
         parts = ", ".join(f"{name} {_gib(value)}" for name, value in m.items() if name != "total" and value)
         node = "inside a node" if self.sp_within_node else "across nodes"
+        ring_bytes = _gib(self.ring_bytes_per_step)
+        ring = f"; ring K/V {ring_bytes} GiB/step/rank" if s.layout.ring_degree > 1 else ""
         return (
-            f"sp_size={s.sp_size} x dp={s.dp_size} ({s.data_parallel}, sac={s.sac}, {s.precision}): peak "
-            f"{_gib(m.total)} of {_gib(self.usable_bytes)} GiB usable ({parts}); longest sequence "
-            f"{self.max_seq_len} tokens; all-to-alls {_gib(self.a2a_bytes_per_step)} GiB/step/rank, {node}"
+            f"sp_size={s.layout.describe()} x dp={s.dp_size} ({s.data_parallel}, sac={s.sac}, "
+            f"{s.precision}): peak {_gib(m.total)} of {_gib(self.usable_bytes)} GiB usable ({parts}); "
+            f"longest sequence {self.max_seq_len} tokens; all-to-alls {_gib(self.a2a_bytes_per_step)} "
+            f"GiB/step/rank{ring}, sp group {node}"
         )
 
 
@@ -642,16 +128,19 @@ class Plan:
             f"({self.gpus_per_node} per node), {_gib(self.memory_per_device)} GiB each, "
             f"{_gib(self.usable_bytes)} GiB usable, {first.precision if first else ''}; GiB per rank"
         )
-        names = [f.name for f in fields(MemoryBreakdown)]
-        columns = ["sp", "dp", "SAC", "data par.", *names, "peak", "fits", "max seq", "a2a GiB/step"]
+        names = [f.name for f in fields(MemoryBreakdown) if f.type in (int, "int")]
+        sends = ["a2a GiB/step", "ring GiB/step"]
+        columns = ["sp", "dp", "SAC", "data par.", *names, "peak", "fits", "max seq", *sends]
         legend = (
             "peak = params + optimizer + comm_buffers + attention_mask + max(activations + "
-            "max(logits_workspace, layer_workspace), grads); max seq: the longest sequence that fits"
+            "max(logits_workspace, layer_workspace + ring_buffers), grads), or the optimizer step's; "
+            "max seq: the longest sequence that fits; sp: ulysses x ring where sp has a ring; "
+            "a2a / ring: bytes each rank sends per step"
         )
         lines = [header, "", legend, "", "| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
         for o in self.options:
             cells = [
-                str(o.setup.sp_size),
+                o.setup.layout.describe(),
                 str(o.setup.dp_size),
                 "on" if o.setup.sac else "off",
                 o.setup.data_parallel,
@@ -660,6 +149,7 @@ class Plan:
                 "yes" if o.fits else "no",
                 _tokens(o.max_seq_len) if o.max_seq_len else "-",
                 _gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " (crosses nodes)"),
+                _gib(o.ring_bytes_per_step),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
@@ -672,12 +162,12 @@ class Plan:
 
         table = Table(title=f"Per-rank memory, GiB: {self.shape.name}, {_tokens(self.seq_len)} tokens")
         columns = ["sp", "dp", "SAC", "dp kind", "params", "grads", "optim", "comm", "saved", "mask"]
-        for column in [*columns, "workspace", "peak", "fits", "max seq", "a2a GiB/step"]:
+        for column in [*columns, "workspace", "peak", "fits", "max seq", "a2a GiB/step", "ring GiB/step"]:
             table.add_column(column, justify="right")
         for o in self.options:
             m = o.memory
             table.add_row(
-                str(o.setup.sp_size),
+                o.setup.layout.describe(),
                 str(o.setup.dp_size),
                 "on" if o.setup.sac else "off",
                 o.setup.data_parallel,
@@ -688,6 +178,7 @@ class Plan:
                 "[green]yes[/]" if o.fits else "[red]no[/]",
                 _tokens(o.max_seq_len) if o.max_seq_len else "-",
                 _gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " *"),
+                _gib(o.ring_bytes_per_step),
             )
         return table
 
@@ -719,9 +210,17 @@ def max_seq_len(shape: ModelShape, setup: Setup, usable_bytes: int) -> int:
     return lo * P
 
 
-def valid_sp_sizes(shape: ModelShape, devices: int) -> list[int]:
-    """sp sizes that divide the devices and the attention heads (Ulysses splits heads)."""
-    return [p for p in range(1, devices + 1) if devices % p == 0 and shape.heads % p == 0]
+def valid_sp_sizes(
+    shape: ModelShape, devices: int, gpus_per_node: int = 8, ulysses_degree: UlyssesDegree = None
+) -> list[int]:
+    """sp sizes that divide the devices and that the strategy runs with this ``ulysses_degree``: all
+    Ulysses (None) splits the heads, so sp must divide them; with a ring ("auto", an int) sp may exceed
+    them (``sp_cost.sp_layout``)."""
+    return [
+        p
+        for p in range(1, devices + 1)
+        if devices % p == 0 and sp_layout(p, shape.heads, gpus_per_node, ulysses_degree) is not None
+    ]
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -747,6 +246,7 @@ def plan(
     compiler: Compiler = "inductor",
     optimizer_impl: OptimizerImpl = "foreach",
     reserve: float = 0.1,
+    ulysses_degree: UlyssesDegree = None,
 ) -> Plan:
     """Predict per-rank memory for every (sp_size, sac, data_parallel) and the longest trainable sequence.
 
@@ -755,7 +255,8 @@ def plan(
         seq_len: tokens per sequence (the global length, before sharding).
         devices: GPUs in all (dp x sp).
         memory_per_device: bytes of one GPU (e.g. ``torch.cuda.get_device_properties(0).total_memory``).
-        sp_sizes: the sp sizes to consider; default every divisor of ``devices`` that divides the heads.
+        sp_sizes: the sp sizes to consider; default every divisor of ``devices`` the strategy runs with
+            ``ulysses_degree`` (without a ring, those that divide the heads).
         sac: True/"auto" (sequence-aware checkpointing; "auto" is planned as True), False, or several.
         precision: Lightning's precision string ("bf16-mixed": fp32 weights, grads and AdamW state).
         batch_size: sequences per dp group per step.
@@ -769,16 +270,21 @@ def plan(
         optimizer_impl: "foreach" (PyTorch's default on GPU), "for_loop" (on CPU) or "fused": what the
             optimizer step allocates besides the state (Note [Step peak]).
         reserve: share of ``memory_per_device`` left for the CUDA context, NCCL and fragmentation.
+        ulysses_degree: as ``AutoSPStrategy``'s option: None (all of sp is Ulysses), "auto" or an int
+            (the rest of sp is ring attention, priced by ``sp_cost.py``: Note [Ring attention costs]).
     """
     shape = model_shape(model_or_config)
     if seq_len < 1 or devices < 1:
         raise ValueError(f"seq_len={seq_len} and devices={devices} must be positive.")
-    sizes = list(sp_sizes) if sp_sizes is not None else valid_sp_sizes(shape, devices)
-    bad = [p for p in sizes if devices % p or shape.heads % p or p > seq_len]
+    valid = valid_sp_sizes(shape, devices, gpus_per_node, ulysses_degree)
+    sizes = list(sp_sizes) if sp_sizes is not None else [p for p in valid if p <= seq_len]
+    bad = [p for p in sizes if p not in valid or p > seq_len]
     if bad:
+        ring_hint = "" if ulysses_degree is not None else " (ulysses_degree='auto' adds ring attention)"
         raise ValueError(
-            f"sp_size {bad} must divide devices={devices} and heads={shape.heads} and not exceed "
-            f"seq_len={seq_len}; use one of {valid_sp_sizes(shape, devices)}."
+            f"sp_size {bad} must divide devices={devices}, be possible with heads={shape.heads} and "
+            f"ulysses_degree={ulysses_degree!r}{ring_hint}, and not exceed seq_len={seq_len}; use one of "
+            f"{[p for p in valid if p <= seq_len]}."
         )
     usable = int(memory_per_device * (1 - reserve))
     options = []
@@ -798,6 +304,7 @@ def plan(
                     fsdp_gather=fsdp_gather,
                     compiler=compiler,
                     optimizer_impl=optimizer_impl,
+                    ulysses_degree=sp_layout(p, shape.heads, gpus_per_node, ulysses_degree).ulysses_degree,
                 )
                 options.append(
                     PlanOption(
@@ -807,6 +314,7 @@ def plan(
                         max_seq_len=max_seq_len(shape, setup, usable),
                         a2a_bytes_per_step=a2a_bytes_per_step(shape, setup, seq_len),
                         sp_within_node=p <= gpus_per_node,
+                        ring_bytes_per_step=ring_bytes_per_step(shape, setup, seq_len),
                     )
                 )
     return Plan(shape, seq_len, devices, int(memory_per_device), usable, gpus_per_node, options)
@@ -827,6 +335,7 @@ def choose_sp_size(
     loss_chunk_tokens: int | None = None,
     fsdp_gather: FSDPGather = "per_use",
     compiler: Compiler = "inductor",
+    ulysses_degree: UlyssesDegree = None,
 ) -> PlanOption:
     """The plan of the smallest sp_size whose step fits in ``memory_per_device``.
 
@@ -847,6 +356,7 @@ def choose_sp_size(
         loss_chunk_tokens=loss_chunk_tokens,
         fsdp_gather=fsdp_gather,
         compiler=compiler,
+        ulysses_degree=ulysses_degree,
     )
     best = result.best()
     if best is not None:
@@ -860,6 +370,8 @@ def choose_sp_size(
         hints.append("sac=True")
     if not chunked_loss:
         hints.append("chunked_loss=True")
+    if ulysses_degree is None and devices > result.shape.heads:
+        hints.append(f"ulysses_degree='auto' (ring attention takes sp beyond the {result.shape.heads} heads)")
     hints.append("more devices or a shorter max_seq_len")
     raise ValueError(
         f"No sp_size fits a {seq_len}-token step of {result.shape.name or 'the model'} on {devices} devices "
@@ -902,6 +414,7 @@ def auto_sp_size(
     loss_chunk_tokens: int | None,
     fsdp_gather: FSDPGather = "per_use",
     compiler: Compiler = "inductor",
+    ulysses_degree: UlyssesDegree = None,
 ) -> PlanOption:
     """``AutoSPStrategy(sp_size="auto")``: the smallest sp_size that fits ``max_seq_len`` tokens.
 
@@ -931,6 +444,7 @@ def auto_sp_size(
         loss_chunk_tokens=loss_chunk_tokens,
         fsdp_gather=fsdp_gather,
         compiler=compiler,
+        ulysses_degree=ulysses_degree,
     )
     rank_zero_info(f"sp_size='auto' for {max_seq_len} tokens: {chosen.describe()}")
     return chosen
@@ -942,39 +456,22 @@ def auto_sp_size(
 GPUS = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20}  # total memory as CUDA reports it
 
 
-@dataclass(frozen=True)
-class Throughput:
-    """Assumptions behind the all-to-all time estimate (H100/H200 SXM class)."""
-
-    flops: float = 989e12  # dense bf16 peak
-    mfu: float = 0.4  # share of the peak the step's compute reaches
-    nvlink: float = 300e9  # all-to-all bytes/s per GPU inside a node
-    network: float = 40e9  # bytes/s per GPU between nodes (one 400 Gb/s NIC per GPU)
-
-
-def step_flops(shape: ModelShape, setup: Setup, seq_len: int) -> float:
-    """FLOPs of one rank's step: matmuls (forward, backward, and SAC's recompute) and causal attention
-    (forward 2*B*S^2*H*D per layer, backward 2.5x that), split over the sp ranks."""
-    T = setup.batch_size * seq_len / setup.sp_size
-    linear = (6 + (2 if setup.sac else 0)) * shape.matmul_weight_params * T
-    attention = 3.5 * 2 * setup.batch_size * seq_len**2 * shape.attention_width * shape.layers / setup.sp_size
-    return linear + attention
-
-
-def a2a_share(
+def comm_share(
     shape: ModelShape, setup: Setup, seq_len: int, gpus_per_node: int, rates: Throughput = Throughput()
 ) -> float:
-    """All-to-all time over compute time per step (the all-to-alls do not overlap compute).
-
-    Of a rank's P - 1 peers, those in other nodes are reached over the network, the rest over NVLink.
-    """
-    P = setup.sp_size
-    if P == 1:
+    """Time of the all-to-alls and the ring's sends over compute time per step, as if they did not
+    overlap compute (``sp_cost.comm_seconds``)."""
+    if setup.sp_size == 1:
         return 0.0
-    remote = max(0, P - gpus_per_node) / (P - 1)
-    sent = a2a_bytes_per_step(shape, setup, seq_len)
-    seconds = sent * ((1 - remote) / rates.nvlink + remote / rates.network)
-    return seconds / (step_flops(shape, setup, seq_len) / (rates.flops * rates.mfu))
+    sent = comm_seconds(
+        a2a_bytes_per_step(shape, setup, seq_len),
+        ring_bytes_per_step(shape, setup, seq_len),
+        setup.layout,
+        gpus_per_node,
+        rates,
+    )
+    flops = step_flops(shape, seq_len, setup.batch_size, setup.sp_size, setup.sac)
+    return sent / (flops / (rates.flops * rates.mfu))
 
 
 def readme_table(
@@ -984,12 +481,16 @@ def readme_table(
     gpus: Mapping[str, int] = GPUS,
     gpus_per_node: int = 8,
     fsdp_gather: FSDPGather = "per_use",
+    ulysses_degree: UlyssesDegree = None,
 ) -> str:
     """Per (model, tokens, GPUs) and GPU memory: the smallest sp that fits (SAC, chunked loss,
-    bf16-mixed, FSDP), its peak, all-to-all bytes and their time against compute."""
+    bf16-mixed, FSDP), its peak, the bytes it sends (all-to-alls, and the ring's with ``ulysses_degree``)
+    and their time against compute."""
     columns = ["model", "tokens", "GPUs"]
+    ring = ulysses_degree is not None
     for name in gpus:
-        columns += [f"{name}: sp", "peak GiB", "a2a GiB/step/rank", "a2a / compute"]
+        columns += [f"{name}: sp", "peak GiB", "a2a GiB/step/rank"]
+        columns += ["ring GiB/step/rank", "comm / compute"] if ring else ["a2a / compute"]
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for shape in models:
         for seq_len in seq_lens:
@@ -1005,16 +506,20 @@ def readme_table(
                         data_parallel="fsdp",
                         gpus_per_node=gpus_per_node,
                         fsdp_gather=fsdp_gather,
+                        ulysses_degree=ulysses_degree,
                     )
                     best = result.best()
                     if best is None:
                         top = max(result.options, key=lambda o: (o.max_seq_len, -o.setup.sp_size))
                         longest = f"max {_tokens(top.max_seq_len)} at sp={top.setup.sp_size}"
-                        cells += [f"no ({longest if top.max_seq_len else 'no sp fits'})", "-", "-", "-"]
+                        cells += [f"no ({longest if top.max_seq_len else 'no sp fits'})"]
+                        cells += ["-"] * (4 if ring else 3)
                         continue
-                    share = a2a_share(shape, best.setup, seq_len, gpus_per_node)
-                    sp = str(best.setup.sp_size) + ("" if best.sp_within_node else " *")
-                    cells += [sp, _gib(best.memory.total), _gib(best.a2a_bytes_per_step), f"{share:.1%}"]
+                    share = comm_share(shape, best.setup, seq_len, gpus_per_node)
+                    sp = best.setup.layout.describe() + ("" if best.sp_within_node else " *")
+                    cells += [sp, _gib(best.memory.total), _gib(best.a2a_bytes_per_step)]
+                    cells += [_gib(best.ring_bytes_per_step)] if ring else []
+                    cells += [f"{share:.1%}"]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -1028,9 +533,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--memory-gib", type=float, default=GPUS["H100 80GB"] / GiB)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument(
+        "--ulysses-degree",
+        type=lambda value: value if value == "auto" else int(value),
+        default=None,
+        help="'auto' or an int: plan sp beyond the heads with ring attention (default: all Ulysses)",
+    )
     args = parser.parse_args(argv)
     if args.table:
-        print(readme_table(fsdp_gather=args.fsdp_gather))
+        print(readme_table(fsdp_gather=args.fsdp_gather, ulysses_degree=args.ulysses_degree))
         return
     shape = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}[args.model]
     result = plan(
@@ -1040,6 +551,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.memory_gib * GiB,
         precision=args.precision,
         fsdp_gather=args.fsdp_gather,
+        ulysses_degree=args.ulysses_degree,
     )
     print(result.to_markdown())
 

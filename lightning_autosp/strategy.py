@@ -13,7 +13,8 @@ import atexit
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +59,7 @@ from lightning_autosp.mesh import (
     check_ulysses_degree_option,
     find_head_counts,
 )
+from lightning_autosp.meta_init import has_meta_tensors, materialize
 from lightning_autosp.options import check_strategy_arguments, process_group_timeout
 
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -83,7 +85,9 @@ class AutoSPStrategy(DDPStrategy):
     Args:
         sp_size: ranks per sequence-parallel group (contiguous ranks). Defaults to the devices per node.
             "auto": the smallest that fits a ``max_seq_len``-token step in ``memory_per_device`` bytes
-            (default: the CUDA device's memory), from ``lightning_autosp.planner``; logged.
+            (default: the CUDA device's memory), from ``lightning_autosp.planner``, planned in setup()
+            for the module ``configure_model`` built (Note [Planning sp_size after configure_model]);
+            logged, and kept as ``strategy.sp_plan``.
         ulysses_degree: how much of sp is Ulysses (all-to-all over heads); the rest, sp_size /
             ulysses_degree, is ring attention (K/V blocks passed around). None: all of sp (sp_size must
             divide the heads); "auto": the largest degree dividing sp_size, the q heads (read from the
@@ -99,7 +103,10 @@ class AutoSPStrategy(DDPStrategy):
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of ``loss_chunk_tokens``
             tokens (None: chunks of at most 2**26 logits), never holding the whole logits.
         data_parallel: "ddp" (replicas, gradients all-reduced) or "fsdp" (parameters, gradients and
-            optimizer state sharded over all dp x sp ranks, ZeRO-3; ``lightning_autosp/fsdp.py``).
+            optimizer state sharded over all dp x sp ranks, ZeRO-3; ``lightning_autosp/fsdp.py``). With
+            "fsdp", a model built on the meta device (``trainer.init_module(empty_init=True)``, or
+            ``torch.device("meta")`` in ``configure_model``) is sharded before any rank allocates it,
+            and each rank initialises only its shard (``lightning_autosp/meta_init.py``).
         fsdp_gather: with "fsdp" only: "per_use" (default) all-gathers each parameter inside the compiled
             step where it is used and again in backward, so only a few layers are whole at a time;
             "per_step" makes the LightningModule one FSDP2 ``fully_shard`` unit, whole for each step.
@@ -169,7 +176,8 @@ class AutoSPStrategy(DDPStrategy):
         self._auto_sp = planner.check_auto_sp_options(sp_size, max_seq_len, memory_per_device)
         self._max_seq_len, self._memory_per_device = max_seq_len, memory_per_device
         if self._auto_sp:
-            sp_size = None  # chosen in setup_distributed, once the module is known
+            sp_size = None  # chosen in setup(), once configure_model has built the module
+        self.sp_plan: planner.PlanOption | None = None
         if sp_size is not None:
             check_positive_sp_size(sp_size)
         check_ulysses_degree_option(ulysses_degree)
@@ -198,6 +206,11 @@ class AutoSPStrategy(DDPStrategy):
 
     @property
     def sp_size(self) -> int:
+        if self._sp_size is None and self._auto_sp:
+            raise RuntimeError(
+                "sp_size='auto' is chosen in setup(), after configure_model; read strategy.sp_size from "
+                "on_fit_start (or later) on."
+            )
         return self._sp_size or self.num_processes
 
     @property
@@ -234,36 +247,74 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
-        # Checked here, before the process group exists, so a bad sp_size fails on every rank alike.
+        if self._auto_sp and self._sp_size is None:
+            return  # planned in setup(), which checks what it chooses
+        self._check_sp_layout()
+
+    def _check_sp_layout(self) -> None:
+        # Before any collective, so a bad sp_size fails on every rank alike.
         check_sp_size(self.world_size, self.sp_size)
         if isinstance(self._ulysses_option, int):
             check_ulysses_degree(self.sp_size, self._ulysses_option)
 
     @override
     def setup_distributed(self) -> None:
-        if self._auto_sp and self._sp_size is None:
-            self._sp_size = planner.auto_sp_size(
-                self.lightning_module,
-                max_seq_len=self._max_seq_len,
-                memory_per_device=self._memory_per_device,
-                device=self.root_device,
-                devices=self.num_nodes * self.num_processes,
-                gpus_per_node=self.num_processes,
-                sac=self.sac,
-                data_parallel=self.data_parallel,
-                fsdp_gather=self.fsdp_gather,
-                compiler=self.compiler,
-                precision=self.precision_plugin.precision,
-                **self.loss_options,
-            ).setup.sp_size
         super().setup_distributed()
         # An undestroyed gloo group's threads can abort the process at interpreter exit
         # (pytorch/pytorch#190489); Lightning registers its exit handler for NCCL groups only.
         atexit.unregister(_destroy_dist_connection)  # once per process, however many Trainer runs
         atexit.register(_destroy_dist_connection)
+        if self._sp_size is not None or not self._auto_sp:
+            self._build_dp_sp_mesh()
+
+    # Note [Planning sp_size after configure_model]
+    #     Lightning sets a strategy up in this order: setup_environment (which calls setup_distributed
+    #     and creates the process group), the `setup` hooks, configure_model, then Strategy.setup. A
+    #     module built in configure_model (on the meta device or not) does not exist in
+    #     setup_distributed, so sp_size="auto" is planned at the start of setup(), from the module's
+    #     parameter shapes, meta or real (the planner reads shapes only). The process group is created
+    #     as usual, since creating it needs no sp_size; the ("dp", "sp") mesh, which does, is built
+    #     right after planning, before anything uses it (the sampler, the compiled steps and the FSDP
+    #     mesh all come after setup() starts). Every rank plans from the same module and options, so
+    #     all choose alike, or all raise the planner's error before any collective.
+
+    def _build_dp_sp_mesh(self) -> None:
         self._device_mesh = build_dp_sp_mesh(
             self.root_device.type, self.world_size, self.sp_size, self._timeout
         )
+
+    def _plan_sp_size(self) -> None:
+        """sp_size="auto": the smallest that fits, for the module configure_model built."""
+        self.sp_plan = planner.auto_sp_size(
+            self.lightning_module,
+            max_seq_len=self._max_seq_len,
+            memory_per_device=self._memory_per_device,
+            device=self.root_device,
+            devices=self.num_nodes * self.num_processes,
+            gpus_per_node=self.num_processes,
+            sac=self.sac,
+            data_parallel=self.data_parallel,
+            fsdp_gather=self.fsdp_gather,
+            compiler=self.compiler,
+            precision=self.precision_plugin.precision,
+            ulysses_degree=self._ulysses_option,
+            **self.loss_options,
+        )
+        self._sp_size = self.sp_plan.setup.sp_size
+        self._check_sp_layout()
+        self._build_dp_sp_mesh()
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` with data_parallel="fsdp" builds on the meta device;
+        setup() shards the module there, then each rank materialises its shard (``meta_init.py``)."""
+        if not (empty_init and self.data_parallel == "fsdp"):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @property
     @override
@@ -292,8 +343,7 @@ class AutoSPStrategy(DDPStrategy):
             raise ValueError(
                 f"The sequence has {shard.global_len} tokens over sp_size={self.sp_size} ranks "
                 f"({list(shard.seq_lens)} each): the compiler needs at least 2 tokens per rank. Use "
-                "sequences "
-                f"of at least {2 * self.sp_size} tokens or a smaller sp_size."
+                f"sequences of at least {2 * self.sp_size} tokens or a smaller sp_size."
             )
         # The compiler reads which tensors hold sequence shards from these tags, not from their sizes.
         self._sequence_tags.mark_batch(batch, sharded, self.seq_dim, shard.global_len)
@@ -302,6 +352,8 @@ class AutoSPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if self._sp_size is None and self._auto_sp:
+            self._plan_sp_size()  # Note [Planning sp_size after configure_model]
         # Compile the steps, not the module: the loss written in training_step is then inside the
         # compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
         self._setup_ring()
@@ -310,6 +362,8 @@ class AutoSPStrategy(DDPStrategy):
             mesh = fsdp.build_world_mesh(self.root_device.type, self.world_size)
             fsdp.setup_fully_sharded(self, trainer, mesh, self.fsdp_gather)
             return
+        if has_meta_tensors(self.model):  # every rank holds the whole model: materialise it all
+            materialize(self.model, self.root_device)
         super().setup(trainer)
 
     def _setup_ring(self) -> None:
@@ -335,9 +389,10 @@ class AutoSPStrategy(DDPStrategy):
             for name in self._original_steps:
                 module.__dict__.pop(name, None)
         self._original_steps.clear()
-        if self.data_parallel == "fsdp":
+        if self.data_parallel == "fsdp" or (module is not None and has_meta_tensors(module)):
             # As Lightning's ModelParallelStrategy: sharded parameters stay on their device (moving
-            # them to the CPU would swap every DTensor parameter the optimizer still refers to).
+            # them to the CPU would swap every DTensor parameter the optimizer still refers to), and
+            # a module that failed before it was materialised cannot move at all.
             assert self.cluster_environment is not None and self.accelerator is not None
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()

@@ -18,9 +18,10 @@ Note [Ring attention blocks]
     many belong to each). The ranges of all ring ranks partition the sequence, so under a causal mask
     a (q range, K/V range) pair is one of three blocks: K/V entirely at or before q's first
     position (every query sees every key), entirely after q's last (nothing to do), or the same
-    range (the causal diagonal). Those run on aten's flash kernel, which returns the log-sum-exp the
-    merge needs. An explicit ``attn_mask`` (``[..., S, S]`` over global positions) is cut to the
-    block's rows and columns and computed exactly in fp32, where a query may see no key of a block
+    range (the causal diagonal). Those run on aten's flash or efficient attention kernels, on every
+    device, which return the log-sum-exp the merge needs (Note [Ring block kernels] in
+    ``ring_kernels.py``). An explicit ``attn_mask`` (``[..., S, S]`` over global positions) is cut to
+    the block's rows and columns and computed exactly in fp32, where a query may see no key of a block
     (log-sum-exp -inf, weight 0 in the merge).
 
     Backward recomputes each block's gradient from the final output and log-sum-exp, as flash
@@ -43,6 +44,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_autosp.compiler import ops
+from lightning_autosp.compiler.ring_kernels import (
+    KERNELS,
+    BlockKernel,
+    accumulation_dtype,
+    choose_kernel,
+    dense_attention,
+    dense_attention_backward,
+    softmax_scale,
+    warn_dense_once,
+)
 from lightning_autosp.data import SequenceShard
 
 _KV_TAG, _GRAD_KV_TAG = 0, 1
@@ -110,61 +121,25 @@ def _block_mask(block: Block, attn_mask: Tensor | None, is_causal: bool, device:
     return torch.ones(len(q_pos), len(kv_pos), dtype=torch.bool, device=device)
 
 
-def _expand_heads(kv: Tensor, heads: int) -> Tensor:
-    """GQA: K/V head j serves q heads j*g .. (j+1)*g - 1, as SDPA's ``enable_gqa``."""
-    return kv if kv.shape[1] == heads else kv.repeat_interleave(heads // kv.shape[1], dim=1)
-
-
-def _reduce_heads(grad: Tensor, kv_heads: int) -> Tensor:
-    if grad.shape[1] == kv_heads:
-        return grad
-    batch, heads, length, dim = grad.shape
-    return grad.view(batch, kv_heads, heads // kv_heads, length, dim).sum(2)
-
-
-def _scale(query: Tensor, scale: float | None) -> float:
-    return query.shape[-1] ** -0.5 if scale is None else scale
-
-
-def _masked_scores(query: Tensor, key: Tensor, mask: Tensor, scale: float | None) -> Tensor:
-    """fp32 scores [B, H, Lq, Lk] with -inf where the mask hides a key."""
-    dtype = accumulation_dtype(query.dtype)
-    keys = _expand_heads(key, query.shape[1]).to(dtype)
-    scores = query.to(dtype) @ keys.transpose(-1, -2) * _scale(query, scale)
-    if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask.to(dtype)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Partial outputs, log-sum-exps and gradients accumulate in fp32 (fp64 for fp64 inputs)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _finite(lse: Tensor) -> Tensor:
-    """-inf (a query that sees no key) -> 0, so exp(scores - lse) gives 0 there, not NaN."""
-    return lse.masked_fill(torch.isneginf(lse), 0.0)
-
-
-def _uses_flash_kernel(block: Block, query: Tensor) -> bool:
-    return block.kind != "masked" and query.device.type == "cpu"
+def _block_kernel(block: Block, query: Tensor, value: Tensor) -> BlockKernel | None:
+    """The aten kernel of a block, or None for exact fp32 math (Note [Ring block kernels])."""
+    name, reason = choose_kernel(block.kind == "masked", query, value)
+    if reason is not None:
+        warn_dense_once(reason)
+    return KERNELS.get(name)
 
 
 def _attend(
     query: Tensor, key: Tensor, value: Tensor, block: Block, mask: Tensor | None, scale: float | None
 ) -> tuple[Tensor, Tensor]:
     """One block's (output in fp32, log-sum-exp in fp32)."""
-    if _uses_flash_kernel(block, query):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, block.kind == "causal", scale=scale
-        )
-        return out.to(lse.dtype), lse
-    if mask is None:  # "full"/"causal" blocks off CPU: exact math (a GPU kernel path is not wired yet)
-        mask = _block_mask(block, None, block.kind == "causal", query.device)
-    scores = _masked_scores(query, key, mask, scale)
-    lse = scores.logsumexp(-1)
-    probs = torch.exp(scores - _finite(lse)[..., None])
-    return probs @ _expand_heads(value, query.shape[1]).to(probs.dtype), lse
+    kernel = _block_kernel(block, query, value)
+    if kernel is None:
+        if mask is None:
+            mask = _block_mask(block, None, block.kind == "causal", query.device)
+        return dense_attention(query, key, value, mask, scale)
+    out, lse = kernel.forward(query, key, value, block.kind == "causal", softmax_scale(query, scale))
+    return out.to(lse.dtype), lse
 
 
 def _attend_backward(
@@ -177,31 +152,22 @@ def _attend_backward(
     block: Block,
     mask: Tensor | None,
     scale: float | None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """One block's (dq, dk, dv) from the final output and log-sum-exp of its queries."""
-    if _uses_flash_kernel(block, query):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, lse, 0.0, block.kind == "causal", scale=scale
-        )
-    if mask is None:
-        mask = _block_mask(block, None, block.kind == "causal", query.device)
-    heads, kv_heads = query.shape[1], key.shape[1]
-    probs = torch.exp(_masked_scores(query, key, mask, scale) - _finite(lse)[..., None])
-    dtype = probs.dtype
-    grad = grad_out.to(dtype)
-    grad_value = probs.transpose(-1, -2) @ grad
-    grad_probs = grad @ _expand_heads(value, heads).to(dtype).transpose(-1, -2)
-    grad_scores = probs * (grad_probs - (grad * out.to(dtype)).sum(-1, keepdim=True)) * _scale(query, scale)
-    grad_query = grad_scores @ _expand_heads(key, heads).to(dtype)
-    grad_key = grad_scores.transpose(-1, -2) @ query.to(dtype)
-    return grad_query, _reduce_heads(grad_key, kv_heads), _reduce_heads(grad_value, kv_heads)
+    kernel = _block_kernel(block, query, value)
+    if kernel is None:
+        if mask is None:
+            mask = _block_mask(block, None, block.kind == "causal", query.device)
+        return dense_attention_backward(grad_out, query, key, value, out, lse, mask, scale)
+    causal = block.kind == "causal"
+    return kernel.backward(grad_out, query, key, value, out, lse, causal, softmax_scale(query, scale))
 
 
 def _merge(out: Tensor, lse: Tensor, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
     """Fold a block's partial result into the running (out, lse) of its query rows, in fp32."""
     old = lse[..., rows]
     new = torch.logaddexp(old, block_lse)
-    safe = _finite(new)
+    safe = new.masked_fill(torch.isneginf(new), 0.0)  # a query that sees no key yet: weights 0, not NaN
     out[..., rows, :] = (
         out[..., rows, :] * torch.exp(old - safe)[..., None]
         + block_out * torch.exp(block_lse - safe)[..., None]

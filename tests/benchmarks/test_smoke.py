@@ -128,3 +128,17 @@ def test_length_search_brackets_the_budget() -> None:
     assert next_candidate(peaks, 5.0, 128, 0.1, None) == 512  # extrapolated down
     assert next_candidate({1024: 10.0, 1100: 12.0}, 11.0, 128, 0.1, None) is None  # bracket within 10%
     assert next_candidate({512: 5.0, 640: 7.0}, 6.0, 128, 0.5, None) is None  # one granularity step apart
+
+
+def test_ring_kernel_check_runs_its_gpu_code_path_on_the_cpu(tmp_path: Path) -> None:
+    # benchmarks/gpu_check.sh's ring attention step, at --quick size on the CPU kernel: every
+    # configuration equals SDPA, and the forced fallback really ran dense.
+    out = tmp_path / "ring_kernels.json"
+    done = run_module(
+        ["benchmarks.ring_kernels", "--device", "cpu", "--quick", "--out", str(out)], timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert all(row["passed"] for row in rows.values()), rows
+    assert set(rows["bf16"]["kernels"]) == {"cpu_flash"} and set(rows["bf16 dense"]["kernels"]) == {"dense"}
+    assert "| fp32 dense | dense (" in out.with_suffix(".md").read_text()

@@ -57,6 +57,7 @@ class Case:
     documents: tuple[int, ...] = ()  # packed rows: document lengths (position_ids restart at each)
     drop_last_loss_chunk: bool = False  # negative control: the chunked loss skips its last chunk
     ring_attention: bool = True  # False, negative control: each ring rank attends to its own tokens only
+    meta_init: bool = False  # train a copy built on the meta device, materialised by the strategy
 
 
 RING = {"ulysses_degree": "auto", "ring_layout": "zigzag"}
@@ -184,6 +185,12 @@ CASES.update(
         "llama_packed_fsdp": _with_strategy("llama_packed", data_parallel="fsdp"),
         "flash_gqa_window_fsdp": _with_strategy("flash_gqa_window", data_parallel="fsdp"),
         "ring_llama_zigzag_fsdp": _with_strategy("ring_llama_zigzag", data_parallel="fsdp"),  # 4 ranks
+        # Built on the meta device and materialised shard by shard from the reference's seed: the
+        # weights, and so the step, must equal the single-device model's (4 ranks, dp=2 x sp=2).
+        "fsdp_meta_dp2_sp2": replace(CASES["fsdp_dp2_sp2"], meta_init=True),
+        "fsdp_meta_dp2_sp2_per_step": replace(
+            _with_strategy("fsdp_dp2_sp2", fsdp_gather="per_step"), meta_init=True
+        ),
     }
 )
 
@@ -285,6 +292,11 @@ def run_case(name: str, case: Case) -> dict:
         )
     capture = Capture()
     trainer = one_step_trainer(case, strategy, capture, devices=world)
+    trained = module
+    if case.meta_init:
+        with torch.device("meta"):
+            trained = case.module(**case.module_kwargs)
+        torch.manual_seed(0)  # the generator state the reference was built from
     all_chunks = chunked_loss.token_chunks
     with contextlib.ExitStack() as patches:
         if not case.ring_attention:
@@ -295,7 +307,7 @@ def run_case(name: str, case: Case) -> dict:
             patches.enter_context(
                 mock.patch.object(chunked_loss, "token_chunks", lambda *args: all_chunks(*args)[:-1])
             )
-        trainer.fit(module, DataLoader(samples, batch_size=case.batch_size, shuffle=False))
+        trainer.fit(trained, DataLoader(samples, batch_size=case.batch_size, shuffle=False))
     checkpoint = Path(os.environ["AUTOSP_PARITY_OUT"], f"{name}.ckpt")
     trainer.save_checkpoint(checkpoint)
     saved_keys = set(torch.load(checkpoint, weights_only=False)["state_dict"])
@@ -313,7 +325,7 @@ def run_case(name: str, case: Case) -> dict:
         "backward_parameter_gathers": sum(r.parameter_gathers for b in backends for r in b.sac_reports),
         "gathers_in_compute_dtype": sum(r.gathers_in_compute_dtype for b in backends for r in b.sac_reports),
         "checkpoint_keys_match": saved_keys == set(module.state_dict()),
-        "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
+        "sharded": all(isinstance(p, DTensor) for p in trained.parameters()),
         "explain": strategy.explain(),
         "cross_document_rel_diff": cross_document,
     }

@@ -46,6 +46,8 @@ RING_CASES = [
     "ring_llama_contiguous_all_ring",
     "ring_llama_zigzag_fsdp",
 ]
+# Built on the meta device, sharded there, each rank's shard materialised (4 ranks, dp=2 x sp=2)
+META_INIT_CASES = ["fsdp_meta_dp2_sp2", "fsdp_meta_dp2_sp2_per_step"]
 # data_parallel="fsdp" (2 ranks; dp=2 x sp=2 runs in tests/distributed/test_multinode.py)
 FSDP_CASES = ["fsdp_gpt", "fsdp_gpt_per_step", "fsdp_llama", "fsdp_gpt_inductor", "fsdp_user_units"]
 # Chunked LM head + cross-entropy, 5 tokens a chunk (every other case chunks too, in one chunk)
@@ -88,12 +90,8 @@ def two_rank_results(tmp_path_factory) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory) -> dict[int, dict]:
-    return launch(
-        4,
-        [*FOUR_RANK_CASES, *RING_CASES, "ring_gpt_zigzag_ring_off"],
-        tmp_path_factory.mktemp("p4"),
-        PARITY_HANG_GUARD_S,
-    )
+    cases = [*FOUR_RANK_CASES, *RING_CASES, "ring_gpt_zigzag_ring_off", *META_INIT_CASES]
+    return launch(4, cases, tmp_path_factory.mktemp("p4"), PARITY_HANG_GUARD_S)
 
 
 def assert_parity(results: dict[int, dict], case: str, *, sequence_parallel: bool = True) -> None:
@@ -117,6 +115,13 @@ def test_parity_two_ranks(two_rank_results, case):
 @pytest.mark.parametrize("case", FOUR_RANK_CASES)
 def test_parity_dp2_sp2(four_rank_results, case):
     assert_parity(four_rank_results, case)
+
+
+@pytest.mark.timeout(1260)
+@pytest.mark.parametrize("case", META_INIT_CASES)
+def test_parity_fsdp_from_the_meta_device(four_rank_results, case):
+    assert_parity(four_rank_results, case)
+    assert all(per_case[case]["sharded"] for per_case in four_rank_results.values())
 
 
 @pytest.mark.timeout(1260)

@@ -74,6 +74,7 @@ def test_gpu_config_shapes(name: str) -> None:
 
     with torch.device("meta"):
         module = _build(config["model"])
+    module.configure_model()  # builds the model on the meta device when meta_init is set
     assert sum(p.numel() for p in module.parameters()) == expected["params"]
     hf = module.model.config
     assert (hf.hidden_size, hf.num_hidden_layers) == (expected["hidden_size"], expected["layers"])

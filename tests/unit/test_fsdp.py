@@ -10,7 +10,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_autosp import AutoSPStrategy
 from lightning_autosp.fsdp import check_user_sharding, local_state_bytes, shard_parameters
-from tests.distributed.modules import GPTModule
+from lightning_autosp.meta_init import materialize
+from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, TinyGPT
 
 
 def test_unknown_data_parallel_is_refused():
@@ -83,3 +84,75 @@ def test_sharded_parameters_keep_their_names_and_ties_and_read_whole(gloo_group:
     grad = model[0]._parameters["weight"].grad
     assert isinstance(grad, DTensor)
     torch.testing.assert_close(grad.full_tensor(), expected_grad)
+
+
+# --------------------------------------------------------------------------------------------------
+# meta-device init (meta_init.py): sharded on meta, then each rank's shard materialised
+
+
+def test_init_module_builds_on_the_meta_device_with_fsdp() -> None:
+    strategy = AutoSPStrategy(sp_size=1, data_parallel="fsdp")
+    with strategy.tensor_init_context(empty_init=True):
+        layer = nn.Linear(2, 2)
+    assert layer.weight.is_meta
+
+
+def test_a_meta_model_sharded_then_materialised_equals_a_seeded_build(gloo_group: str) -> None:
+    torch.manual_seed(0)
+    expected = TinyGPT()
+    with torch.device("meta"):
+        model = TinyGPT()
+    shard_parameters(model, init_device_mesh("cpu", (1,)))
+    assert all(isinstance(p, DTensor) and p.is_meta for p in model.parameters())
+    torch.manual_seed(0)  # the state the build above started from
+    materialize(model, torch.device("cpu"))
+    for (name, param), reference in zip(model.named_parameters(), expected.parameters()):
+        assert isinstance(param, DTensor) and not param.is_meta, name
+        torch.testing.assert_close(param.full_tensor(), reference.detach(), rtol=0, atol=0)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    torch.testing.assert_close(model(ids), expected(ids))  # and it still gathers where it is used
+
+
+class _Scale(nn.Module):
+    """A parameter and no reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+
+class _LinearWithTable(nn.Linear):
+    """reset_parameters() initialises the weights but not the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.register_buffer("table", torch.ones(2))
+
+
+def test_materialize_names_what_no_initialiser_writes() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(_Scale(), _LinearWithTable())
+    with (
+        pytest.warns(
+            UserWarning, match=r"\['_Scale'\] were built on the meta device but have no reset_param"
+        ),
+        pytest.warns(UserWarning, match=r"\['1.table'\] were built on the meta device and left NaN"),
+    ):
+        materialize(model, torch.device("cpu"))
+    assert torch.isfinite(model[1].weight).all()
+
+
+def test_materialize_initialises_hf_models_with_their_own_init() -> None:
+    # Modules without reset_parameters (RMSNorm, rotary embeddings) inside a PreTrainedModel are
+    # initialised by the model's _init_weights, which also rebuilds the rotary frequency buffers.
+    expected = LlamaModule()
+    with torch.device("meta"):
+        model = LlamaModule()
+    materialize(model, torch.device("cpu"))
+    for (name, buffer), reference in zip(model.named_buffers(), expected.buffers()):
+        torch.testing.assert_close(buffer, reference, rtol=0, atol=0, msg=name)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            assert torch.equal(param, torch.ones_like(param)), name
+        else:  # normal(0, initializer_range=0.02), not nn.Linear's default
+            assert 0.015 < float(param.detach().std()) < 0.025, name

@@ -13,8 +13,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from benchmarks.planner import compare, tiny_gpt, tiny_llama
-from examples.models import GPTModule
+from examples.models import GPTModule, TinyGPT
 from lightning_autosp import AutoSPStrategy, plan
+from lightning_autosp.compiler.ring import ring_args
+from lightning_autosp.data import SequenceShard
 from lightning_autosp.planner import (
     LLAMA_3_1_8B,
     LLAMA_3_1_70B,
@@ -30,6 +32,8 @@ from lightning_autosp.planner import (
     saved_activations,
     step_memory,
 )
+from lightning_autosp.sp_cost import SPLayout, a2a_bytes, ring_bytes
+from tests.unit.sp_graphs import ThreadedComm, run_ranks
 
 TOLERANCE = 0.15
 
@@ -270,9 +274,22 @@ def test_strategy_auto_options(kwargs: dict, message: str) -> None:
         AutoSPStrategy(**kwargs)
 
 
-class _StopAfterDistributedSetup(L.Callback):
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        raise _Stop(trainer.strategy.sp_size)
+class _StopAfterSetup(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise _Stop(trainer.strategy.sp_size, trainer.strategy.sp_plan.memory.params)
+
+
+class _GPTBuiltInConfigureModel(GPTModule):
+    """Has no parameters until configure_model, which builds them on the meta device."""
+
+    def __init__(self, **shape) -> None:
+        super().__init__(**shape)
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            with torch.device("meta"):
+                self.model = TinyGPT(**{k: self.hparams[k] for k in TINY_GPT_SHAPE})
 
 
 class _Stop(Exception):
@@ -293,26 +310,133 @@ def _own_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+TINY_GPT_SHAPE = {"vocab_size": 64, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 32}
+
+
 @pytest.mark.usefixtures("_own_process_group")
 @pytest.mark.parametrize(("memory", "expected"), [(2**40, 1), (2**17, "No sp_size fits")])
-def test_strategy_resolves_auto_before_the_process_group(memory: int, expected: int | str) -> None:
-    strategy = AutoSPStrategy(sp_size="auto", max_seq_len=64, memory_per_device=memory, compiler="aot_eager")
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_strategy_plans_auto_for_the_model_configure_model_builds(
+    memory: int, expected: int | str, data_parallel: str
+) -> None:
+    # Note [Planning sp_size after configure_model]: the plan counts the parameters configure_model
+    # builds (on the meta device here), which do not exist when the process group is created.
+    strategy = AutoSPStrategy(
+        sp_size="auto",
+        max_seq_len=64,
+        memory_per_device=memory,
+        compiler="aot_eager",
+        data_parallel=data_parallel,
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
-        callbacks=[_StopAfterDistributedSetup()],
+        callbacks=[_StopAfterSetup()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = GPTModule(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=32)
+    module = _GPTBuiltInConfigureModel(**TINY_GPT_SHAPE)
+    assert not list(module.parameters())
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected):
             trainer.fit(module)
         assert not dist.is_initialized() or dist.get_world_size() == 1
-    else:
-        with pytest.raises(_Stop) as stopped:
-            trainer.fit(module)
-        assert stopped.value.args == (expected,)
+        return
+    with pytest.raises(_Stop) as stopped:
+        trainer.fit(module)
+    params = sum(p.numel() for p in TinyGPT(**TINY_GPT_SHAPE).parameters())
+    assert stopped.value.args == (expected, params * 4)  # fp32, one rank
+    assert not any(p.is_meta for p in module.parameters())  # materialised in setup
+
+
+def test_sp_size_auto_is_unknown_until_setup() -> None:
+    strategy = AutoSPStrategy(sp_size="auto", max_seq_len=64, memory_per_device=2**30)
+    with pytest.raises(RuntimeError, match="chosen in setup\\(\\), after configure_model"):
+        _ = strategy.sp_size
+
+
+# --------------------------------------------------------------------------------------------------
+# ring attention (sp beyond the heads): Note [Ring attention costs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_bytes_are_what_the_ring_op_sends(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    # One layer of sp = 6 = Ulysses 2 x ring 3, 48 tokens, batch 2: each ring rank's op sees its 16
+    # tokens of 4 / 2 q heads and 2 / 2 K/V heads. Count the bytes every rank hands to isend.
+    shape = ModelShape(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=10)
+    layout = SPLayout(6, 2)
+    sent = [0] * layout.ring_degree
+    isend = ThreadedComm.isend
+
+    def counting_isend(self, tensor, **kwargs):
+        sent[self.rank] += tensor.numel() * tensor.element_size()
+        return isend(self, tensor, **kwargs)
+
+    monkeypatch.setattr(ThreadedComm, "isend", counting_isend)
+    shards = [SequenceShard.for_ring(48, 3, r, 3, "zigzag") for r in range(3)]
+
+    def rank_fn(rank: int) -> None:
+        q = torch.randn(2, 2, 16, 8, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(2, 1, 16, 8, dtype=dtype, requires_grad=True) for _ in range(2))
+        out, _ = torch.ops.autosp.ring_attention(
+            q, k, v, None, True, None, *ring_args(shards[rank])[:2], rank, "sim"
+        )
+        out.sum().backward()
+
+    run_ranks(layout.ring_degree, rank_fn)
+    act_bytes = torch.finfo(dtype).bits // 8
+    assert sent == [ring_bytes(shape, layout, 48, 2, act_bytes)] * 3
+    assert a2a_bytes(shape, layout, 48, 2, act_bytes) == 2 * 16 * (1 / 2) * (2 * 32 + 2 * 16) * act_bytes
+
+
+def test_the_planner_prices_ulysses_x_ring() -> None:
+    # Llama-3.1-70B has 64 heads: at 1M tokens on 1024 H100s, all-Ulysses sp stops at 64 (431K tokens);
+    # with ulysses_degree="auto" sp goes on as 8 (inside a node) x ring.
+    memory = 80 * GiB
+    ulysses = plan(LLAMA_3_1_70B, 2**20, 1024, memory, sac=True, data_parallel="fsdp")
+    assert ulysses.best() is None and max(o.setup.sp_size for o in ulysses.options) == 64
+    ringed = plan(LLAMA_3_1_70B, 2**20, 1024, memory, sac=True, data_parallel="fsdp", ulysses_degree="auto")
+    best = ringed.best()
+    assert (
+        best is not None and best.setup.layout == SPLayout(best.setup.sp_size, 8) and best.setup.sp_size > 64
+    )
+    assert best.ring_bytes_per_step > 0 and best.memory.ring_buffers > 0
+    assert f"| {best.setup.layout.describe()} |" in ringed.to_markdown()
+    assert "ring K/V" in best.describe() and "ulysses 8 x ring" in best.describe()
+    # The all-to-all runs over the 8 Ulysses ranks, not over all of sp, and its staging with it.
+    as_ulysses = Setup(best.setup.sp_size, 1024, data_parallel="fsdp")
+    assert best.a2a_bytes_per_step < a2a_bytes_per_step(LLAMA_3_1_70B, as_ulysses, 2**20)
+    # Ring buffers are K/V blocks and fp32 accumulators: linear in the sequence, never S x S.
+    at = lambda seq_len: step_memory(LLAMA_3_1_70B, best.setup, seq_len).ring_buffers
+    assert at(2**21) == pytest.approx(2 * at(2**20), rel=1e-6)
+    assert step_memory(LLAMA_3_1_70B, as_ulysses, 2**20).ring_buffers == 0
+
+
+def test_auto_sp_size_goes_beyond_the_heads_only_with_a_ring() -> None:
+    module = GPTModule(vocab_size=64, block_size=2**13, n_layer=2, n_head=2, n_embd=32)
+    options = dict(
+        max_seq_len=2**13,
+        device=torch.device("cpu"),
+        devices=4,
+        gpus_per_node=4,
+        sac=True,
+        data_parallel="ddp",
+        precision="32-true",
+        chunked_loss=True,
+        loss_chunk_tokens=None,
+    )
+    need = {
+        o.setup.sp_size: o.memory.total
+        for o in plan(module, 2**13, 4, 2**40, sac=True, data_parallel="ddp", precision="32-true",
+                      gpus_per_node=4, ulysses_degree="auto").options
+    }  # fmt: skip
+    memory = (need[2] + need[4]) / 2 / 0.9  # sp=4 (Ulysses 2 x ring 2) fits, sp=2 does not
+    chosen = auto_sp_size(module, memory_per_device=memory, ulysses_degree="auto", **options)
+    assert chosen.setup.layout == SPLayout(4, 2)
+    with pytest.raises(
+        ValueError, match="ulysses_degree='auto' \\(ring attention takes sp beyond the 2 heads"
+    ):
+        auto_sp_size(module, memory_per_device=memory, **options)
