@@ -41,7 +41,7 @@ or with ``save_distributed_checkpoint=True`` a directory with one shard per rank
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -228,19 +228,22 @@ def check_user_sharding(module: nn.Module, world_size: int) -> None:
 
 
 def setup_fully_sharded(
-    strategy: DDPStrategy, trainer: pl.Trainer, mesh: DeviceMesh, gather: FSDPGather = "per_use"
+    strategy: DDPStrategy,
+    trainer: pl.Trainer,
+    mesh: DeviceMesh,
+    gather: FSDPGather = "per_use",
+    *,
+    on_meta: bool = False,
+    materialize: Callable[[nn.Module, torch.device], None] | None = None,
 ) -> None:
     """``DDPStrategy.setup`` with sharding in place of DDP (for evaluation too: the weights stay sharded).
 
     A module sharded by an earlier Trainer run (fit, then validate) is on its device and in its dtype
     already; moving it again would swap DTensor parameters that compiled code still refers to. A module
-    built on the meta device is sharded there, and then each rank allocates and initialises its shard
-    (``meta_init.materialize``): no rank holds the whole model.
+    built on the meta device (``on_meta``) is sharded there, and then each rank allocates and initialises
+    its shard (``materialize``, from ``meta_init``): no rank holds the whole model.
     """
-    from lightning_autosp.meta_init import has_meta_tensors, materialize
-
     strategy.accelerator.setup(trainer)
-    on_meta = has_meta_tensors(strategy.model)
     if not sharded_per_use(strategy.model):
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
         if not on_meta:

@@ -360,7 +360,14 @@ class AutoSPStrategy(DDPStrategy):
         self._compile_steps(self.lightning_module)
         if self.data_parallel == "fsdp":
             mesh = fsdp.build_world_mesh(self.root_device.type, self.world_size)
-            fsdp.setup_fully_sharded(self, trainer, mesh, self.fsdp_gather)
+            fsdp.setup_fully_sharded(
+                self,
+                trainer,
+                mesh,
+                self.fsdp_gather,
+                on_meta=has_meta_tensors(self.model),
+                materialize=materialize,
+            )
             return
         if has_meta_tensors(self.model):  # every rank holds the whole model: materialise it all
             materialize(self.model, self.root_device)

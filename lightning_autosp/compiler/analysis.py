@@ -34,8 +34,10 @@ from torch import fx
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.flash import find_flash_attention
 from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name, source_line
 from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag
+from lightning_autosp.compiler.rules import RULES
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +85,6 @@ class Analysis:
     def __init__(
         self, gm: fx.GraphModule, example_inputs: Sequence[object], context: SPContext, tags: SequenceTags
     ) -> None:
-        from lightning_autosp.compiler.flash import find_flash_attention
-        from lightning_autosp.compiler.rules import RULES  # the table builds on this module's API
-
         self.gm, self.context, self.tags, self.rules = gm, context, tags, RULES
         self.flash_matches = {match.node: match for match in find_flash_attention(gm)}
         self.example_inputs = list(example_inputs)

@@ -16,6 +16,7 @@ from torch import fx
 from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, shard
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, reduced_positions, tensor_nodes
+from lightning_autosp.compiler.rules.elementwise import pointwise
 
 _ATTENTION_FIX = (
     "Compute attention with torch.nn.functional.scaled_dot_product_attention (HF: "
@@ -216,8 +217,6 @@ def reduction(a, node: fx.Node) -> object:
     rank = ndim(source)
     dims_arg = arg(node, 1, "dim") if name not in ("norm",) else arg(node, 2, "dim")
     if name in ("max", "min") and isinstance(dims_arg, fx.Node):  # max(x, y): elementwise
-        from lightning_autosp.compiler.rules.elementwise import pointwise
-
         return pointwise(a, node)
     keepdim = bool(arg(node, 2 if name not in ("norm",) else 3, "keepdim", False))
     reduced = normalize_dims(dims_arg, rank)
@@ -315,8 +314,6 @@ def class_loss(a, node: fx.Node) -> Layout:
 
 def elementwise_loss(a, node: fx.Node) -> Layout:
     """mse_loss / l1_loss / smooth_l1_loss / huber_loss / binary_cross_entropy(_with_logits) / kl_div."""
-    from lightning_autosp.compiler.rules.elementwise import pointwise
-
     layout = pointwise(a, node)
     reduction_kind = node.kwargs.get("reduction", "mean")
     if layout == REPLICATE or reduction_kind == "none":
