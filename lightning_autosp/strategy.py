@@ -10,10 +10,8 @@ DDP (gradients averaged over all ranks; see Note [Loss over sequence shards] in
 from __future__ import annotations
 
 import atexit
-import functools
 import math
-import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +26,6 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -39,9 +36,7 @@ from lightning_autosp import fsdp, planner
 from lightning_autosp.compiler.backend import (
     AutoSPBackend,
     Compiler,
-    active_dispatch_mode,
     check_backend_options,
-    frames_not_compiled,
 )
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.layout import SequenceTags
@@ -61,15 +56,14 @@ from lightning_autosp.mesh import (
 )
 from lightning_autosp.meta_init import has_meta_tensors, materialize
 from lightning_autosp.options import check_strategy_arguments, process_group_timeout
+from lightning_autosp.steps import CompiledSteps
 
-_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _STEP_CONTEXTS = {
     "training_step": "train_step_context",
     "validation_step": "val_step_context",
     "test_step": "test_step_context",
     "predict_step": "predict_step_context",
 }
-_LOGGING = ("log", "log_dict")
 
 
 class AutoSPStrategy(DDPStrategy):
@@ -196,9 +190,8 @@ class AutoSPStrategy(DDPStrategy):
         self.sac = sac
         self.sequence_shard: SequenceShard | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._backends: dict[SequenceShard | None, AutoSPBackend] = {}
         self._sequence_tags = SequenceTags()
-        self._original_steps: dict[str, Callable] = {}
+        self._steps = CompiledSteps(self._backend, self._sp_context, lambda: self.sequence_shard)
         fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs, fsdp_gather)
         self.data_parallel: fsdp.DataParallel = data_parallel
         self.fsdp_gather: fsdp.FSDPGather = fsdp_gather or "per_use"
@@ -357,7 +350,7 @@ class AutoSPStrategy(DDPStrategy):
         # Compile the steps, not the module: the loss written in training_step is then inside the
         # compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
         self._setup_ring()
-        self._compile_steps(self.lightning_module)
+        self._steps.install(self.lightning_module)
         if self.data_parallel == "fsdp":
             mesh = fsdp.build_world_mesh(self.root_device.type, self.world_size)
             fsdp.setup_fully_sharded(
@@ -392,10 +385,7 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None:
-            for name in self._original_steps:
-                module.__dict__.pop(name, None)
-        self._original_steps.clear()
+        self._steps.uninstall(module)
         if self.data_parallel == "fsdp" or (module is not None and has_meta_tensors(module)):
             # As Lightning's ModelParallelStrategy: sharded parameters stay on their device (moving
             # them to the CPU would swap every DTensor parameter the optimizer still refers to), and
@@ -527,98 +517,31 @@ class AutoSPStrategy(DDPStrategy):
         )
 
     def explain(self) -> str:
-        """What the compiler did, per compiled graph: attention found, all-to-alls, rewrites."""
-        lines = []
-        for shard, backend in self._backends.items():
-            layout = (
-                "no sequence parallelism"
-                if shard is None
-                else f"sequence {shard.global_len} -> {shard.seq_lens}{_ring_description(shard)}"
-            )
-            for index, report in enumerate(backend.reports):
-                lines.append(f"graph {index} ({layout}):")
-                lines.extend(f"  {line}" for line in report.lines())
-            lines.extend(f"{report.line()}" for report in backend.sac_reports)
-            lines.extend(line for report in backend.loss_reports for line in report.lines())
-        return "\n".join(lines) if lines else "Nothing compiled yet."
+        """What the compiler did, per compiled graph: attention found, all-to-alls, rewrites, layouts."""
+        return self._steps.explain()
+
+    @property
+    def backends(self) -> Mapping[SequenceShard | None, AutoSPBackend]:
+        """The compile backend of each sequence layout seen so far (their reports feed ``explain``)."""
+        return self._steps.backends
 
     def backend_for(self, shard: SequenceShard | None) -> AutoSPBackend:
         """The compile backend for one sequence layout (Dynamo keeps one compiled graph per backend)."""
-        if shard not in self._backends:
-            context = (
-                None
-                if shard is None
-                else SPContext(
-                    shard, self.device_mesh.get_group(SP).group_name, self.seq_dim, **self._ring_groups()
-                )
-            )
-            self._backends[shard] = AutoSPBackend(
-                context, tags=self._sequence_tags, compiler=self.compiler, sac=self.sac, **self.loss_options
-            )
-        return self._backends[shard]
+        return self._steps.backend_for(shard)
 
-    def _ring_groups(self) -> dict[str, str]:
-        if self._ring_mesh is None:
-            return {}
-        return {
-            "ulysses_group_name": self._ring_mesh.get_group(ULYSSES).group_name,
-            "ring_group_name": self._ring_mesh.get_group(RING).group_name,
-        }
+    def _sp_context(self, shard: SequenceShard) -> SPContext:
+        ring = {}
+        if self._ring_mesh is not None:
+            ring = {
+                "ulysses_group_name": self._ring_mesh.get_group(ULYSSES).group_name,
+                "ring_group_name": self._ring_mesh.get_group(RING).group_name,
+            }
+        return SPContext(shard, self.device_mesh.get_group(SP).group_name, self.seq_dim, **ring)
 
-    def _compile_steps(self, module: pl.LightningModule) -> None:
-        # Dynamo cannot trace Lightning's logging; calling it from a compiled step becomes a graph break.
-        for name in _LOGGING:
-            self._original_steps[name] = getattr(module, name)
-            setattr(module, name, torch._dynamo.disable(getattr(module, name)))
-        for name in _STEPS:
-            step = getattr(module, name, None)
-            if step is None or name in self._original_steps:
-                continue
-            self._original_steps[name] = step
-            setattr(module, name, self._make_compiled_step(name, step))
-
-    def _make_compiled_step(self, name: str, step: Callable) -> Callable:
-        # The global sequence layout is baked into the compiled graph, and shards of one local
-        # length can come from different global lengths (61 and 62 tokens both give rank 0 31
-        # tokens), so each layout gets its own backend, which Dynamo guards on.
-        compiled: dict[SequenceShard | None, Callable] = {}
-
-        @functools.wraps(step)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():
-                # Called from another compiled step (validation_step calling self.training_step):
-                # Dynamo inlines the original step into the caller's graph.
-                return step(*args, **kwargs)
-            shard = self.sequence_shard
-            mode = active_dispatch_mode()
-            if shard is not None and mode is not None:
-                raise RuntimeError(
-                    f"{name} was called under {type(mode).__name__}, a TorchDispatchMode under which "
-                    "torch.compile runs code eagerly, i.e. without sequence parallelism. Measure outside "
-                    "the step (e.g. MemoryMonitor, torch.cuda.max_memory_allocated) instead."
-                )
-            backend = self.backend_for(shard)
-            first_call = shard not in compiled
-            if first_call:
-                compiled[shard] = torch.compile(step, backend=backend, dynamic=False)
-            skipped = frames_not_compiled()
-            output = compiled[shard](*args, **kwargs)
-            if shard is not None:
-                _check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped)
-            if first_call and name == "training_step" and os.environ.get("AUTOSP_DEBUG") == "1":
-                rank_zero_info(
-                    f"AutoSP (AUTOSP_DEBUG=1), after the first {name} of this layout:\n{self.explain()}"
-                )
-            return output
-
-        return run
-
-
-def _ring_description(shard: SequenceShard) -> str:
-    if shard.ring_degree == 1:
-        return ""
-    layout = "contiguous" if shard.is_contiguous else "zigzag"
-    return f", ulysses {shard.ulysses_degree} x ring {shard.ring_degree} ({layout})"
+    def _backend(self, context: SPContext | None) -> AutoSPBackend:
+        return AutoSPBackend(
+            context, tags=self._sequence_tags, compiler=self.compiler, sac=self.sac, **self.loss_options
+        )
 
 
 def _in_sequence_order(gathered: torch.Tensor, shard: SequenceShard, dim: int) -> torch.Tensor:
@@ -626,29 +549,6 @@ def _in_sequence_order(gathered: torch.Tensor, shard: SequenceShard, dim: int) -
     positions = [p for rank in range(shard.world) for p in shard.positions(rank=rank)]
     order = torch.argsort(torch.tensor(positions, device=gathered.device))
     return gathered.index_select(dim, order)
-
-
-def _check_sequence_parallel_applied(step_name: str, backend: AutoSPBackend, skipped_frames: int) -> None:
-    # Every rank runs the same graphs, so every rank raises here alike: nobody is left in a collective.
-    if skipped_frames:
-        raise RuntimeError(
-            f"torch.compile could not compile part of {step_name} ({skipped_frames} frame(s) fell back to "
-            "eager, e.g. a graph break inside a for loop), and code outside compiled graphs runs without "
-            "sequence parallelism. Remove the graph break (TORCH_LOGS=graph_breaks shows where) or move it "
-            "out of the loop."
-        )
-    if not backend.reports:
-        raise RuntimeError(
-            f"torch.compile ran {step_name} without calling the AutoSP backend (compilation disabled, or "
-            "Dynamo's recompile limit reached after many distinct sequence lengths), so sequence "
-            "parallelism was not applied. Bucket or pad sequence lengths to a few fixed values."
-        )
-    if backend.attention_count == 0:
-        raise RuntimeError(
-            f"No attention call was found in the compiled graphs of {step_name}, so sequence parallelism "
-            "cannot be applied. Compute attention with torch.nn.functional.scaled_dot_product_attention "
-            "(HF: attn_implementation='sdpa'); hand-written softmax(QK^T)V attention is not recognized."
-        )
 
 
 StrategyRegistry.register(

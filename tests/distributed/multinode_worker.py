@@ -69,7 +69,7 @@ def run(name: str, num_nodes: int, devices: int) -> dict:
         "loss_rel_err": abs(capture.loss - reference_loss) / abs(reference_loss),
         "grad_rel_err": grad_rel_err(capture.grads, grads),
         "missing_grads": sorted(set(grads) - set(capture.grads)),
-        "attention_found": sum(b.attention_count for b in strategy._backends.values()),
+        "attention_found": sum(b.attention_count for b in strategy.backends.values()),
     }
 
 

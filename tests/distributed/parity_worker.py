@@ -40,6 +40,13 @@ from tests.distributed.attention_modules import (  # noqa: E402
     packed_inputs,
 )
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, UserShardedGPTModule  # noqa: E402
+from tests.distributed.user_modules import (  # noqa: E402
+    HFModule,
+    LitGPTModule,
+    LossGPT,
+    RefusedIdiomGPT,
+    SlicedTableGPT,
+)
 from tests.flash_stand_in import flash_attn_stand_in  # noqa: E402
 
 
@@ -170,6 +177,34 @@ CASES = {
         FlashGPTModule, {"varlen": True}, seq_len=25, batch_size=1, documents=(7, 11, 7)
     ),
 }
+
+
+# Training steps as users write them (tests/distributed/user_modules.py, issue 14): exact, or refused
+# with the same error on every rank. Odd lengths give uneven shards; the defaults (Inductor + SAC) too.
+INDUCTOR = {"compiler": "inductor"}
+NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
+CASES.update(
+    {
+        "idiom_learned_table": Case(
+            SlicedTableGPT, {"positions": "learned"}, seq_len=25, strategy_kwargs=INDUCTOR
+        ),
+        "idiom_rope_table": Case(SlicedTableGPT, {"positions": "rope"}, seq_len=24),
+        "idiom_litgpt": Case(LitGPTModule, seq_len=25),
+        "idiom_opt_cumsum_positions": Case(
+            HFModule, {"family": "opt", "ffn_dim": 64, "word_embed_proj_dim": 32, **NO_DROPOUT}, seq_len=24
+        ),
+        "idiom_window_equals_shard": Case(HFModule, {"family": "mistral", "sliding_window": 12}, seq_len=24),
+        "idiom_nll_of_log_softmax": Case(LossGPT, {"loss": "nll"}, seq_len=25, ignored_tail=(3, 7)),
+        "idiom_sum_over_count": Case(
+            LossGPT, {"loss": "sum_over_count"}, seq_len=25, ignored_tail=(3, 7), strategy_kwargs=INDUCTOR
+        ),
+        "idiom_rolled_labels": Case(LossGPT, {"loss": "roll"}, seq_len=24),
+        "idiom_per_token_losses": Case(LossGPT, {"loss": "mean_none"}, seq_len=25, ignored_tail=(3, 7)),
+        "idiom_refused_sort": Case(RefusedIdiomGPT, {"idiom": "sort_over_sequence"}),
+        "idiom_refused_branch_on_length": Case(RefusedIdiomGPT, {"idiom": "branch_on_length"}),
+        "idiom_refused_pool_last_token": Case(RefusedIdiomGPT, {"idiom": "pool_last_token"}),
+    }
+)
 
 
 def _with_strategy(name: str, **strategy_kwargs: object) -> Case:
@@ -311,7 +346,7 @@ def run_case(name: str, case: Case) -> dict:
     checkpoint = Path(os.environ["AUTOSP_PARITY_OUT"], f"{name}.ckpt")
     trainer.save_checkpoint(checkpoint)
     saved_keys = set(torch.load(checkpoint, weights_only=False)["state_dict"])
-    backends = list(strategy._backends.values())
+    backends = list(strategy.backends.values())
     return {
         "loss": capture.loss,
         "reference_loss": reference_loss,

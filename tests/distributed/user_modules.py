@@ -171,3 +171,38 @@ class LitGPTModule(_SGD):
         ids = batch["input_ids"]
         logits = self.model(ids)
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+class RefusedIdiomGPT(_SGD):
+    """The tests' GPT with one idiom the SP pass cannot prove exact, and must refuse naming this file's line:
+
+    ``hand_written_attention`` softmax(QK^T)V; ``sort_over_sequence`` sorts activations along the sequence;
+    ``pool_last_token`` a loss on the last position (which lives on one rank); ``branch_on_length`` a Python
+    branch on the length that the shard and the whole sequence take differently; ``conv_over_sequence`` a
+    causal convolution over the sequence; ``cumsum_of_activations`` a running sum of activations.
+    """
+
+    def __init__(self, idiom: str, dim: int = 32) -> None:
+        super().__init__()
+        self.idiom = idiom
+        self.model = TinyGPT(dim=dim)
+        self.conv = nn.Conv1d(dim, dim, kernel_size=3, padding=2)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        x = self.model.wte(ids)  # (B, T, C)
+        if self.idiom == "hand_written_attention":
+            scores = (x @ x.transpose(1, 2)).softmax(dim=-1)  # (B, T, T)
+            x = scores @ x
+        elif self.idiom == "sort_over_sequence":
+            x = x.sort(dim=1).values
+        elif self.idiom == "branch_on_length" and ids.size(1) > 16:
+            x = 2 * x
+        elif self.idiom == "conv_over_sequence":
+            x = self.conv(x.transpose(1, 2))[..., : ids.size(1)].transpose(1, 2)
+        elif self.idiom == "cumsum_of_activations":
+            x = x.cumsum(dim=1)
+        logits = self.model.head(x)
+        if self.idiom == "pool_last_token":
+            return F.cross_entropy(logits[:, -1], ids[:, 0])
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))

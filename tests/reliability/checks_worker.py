@@ -356,7 +356,7 @@ def check_validate(**strategy_kwargs: Any) -> dict:
         else None,
         "reference": sum(eager) / len(eager),
         "reference_per_batch": eager,
-        "all_to_alls": sum(r.all_to_alls for b in trainer.strategy._backends.values() for r in b.reports),
+        "all_to_alls": sum(r.all_to_alls for b in trainer.strategy.backends.values() for r in b.reports),
     }
 
 
@@ -391,7 +391,7 @@ def train_compare(
         strategy, max_steps=len(batches), callbacks=[record], use_distributed_sampler=False
     )
     trainer.fit(module, DataLoader(batches, batch_size=None, shuffle=False))
-    backends = strategy._backends
+    backends = strategy.backends
     return {
         "losses": record.losses,
         "reference_losses": reference_losses,

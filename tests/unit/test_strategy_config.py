@@ -14,7 +14,8 @@ import lightning_autosp
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.sp_pass import SPReport
 from lightning_autosp.mesh import check_sp_size
-from lightning_autosp.strategy import AutoSPStrategy, _check_sequence_parallel_applied
+from lightning_autosp.steps import check_sequence_parallel_applied
+from lightning_autosp.strategy import AutoSPStrategy
 
 CPU = torch.device("cpu")
 
@@ -148,23 +149,23 @@ def _backend(*reports: SPReport) -> AutoSPBackend:
 
 
 def test_check_passes_with_attention() -> None:
-    _check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport(attention=["sdpa"])), 0)
+    check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport(attention=["sdpa"])), 0)
 
 
 def test_check_no_attention() -> None:
     with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
-        _check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport()), 0)
+        check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport()), 0)
 
 
 def test_check_backend_never_called() -> None:
     with pytest.raises(RuntimeError, match="without calling the AutoSP backend"):
-        _check_sequence_parallel_applied("validation_step", _backend(), 0)
+        check_sequence_parallel_applied("validation_step", _backend(), 0)
 
 
 def test_check_frames_fell_back_to_eager() -> None:
     backend = _backend(SPReport(attention=["sdpa"]))
     with pytest.raises(RuntimeError, match=r"training_step \(2 frame\(s\) fell back to eager"):
-        _check_sequence_parallel_applied("training_step", backend, 2)
+        check_sequence_parallel_applied("training_step", backend, 2)
 
 
 def test_explain_before_compiling() -> None:
@@ -202,7 +203,7 @@ def test_a_step_under_a_dispatch_mode_is_refused() -> None:
 
     strategy = AutoSPStrategy(sp_size=2, compiler="aot_eager")
     strategy.sequence_shard = SequenceShard.balanced(8, 2, 0)
-    step = strategy._make_compiled_step("training_step", lambda batch: batch.sum())
+    step = strategy._steps.compiled("training_step", lambda batch: batch.sum())
     with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="FlopCounterMode"):
         step(torch.ones(2, 4))
 

@@ -57,6 +57,7 @@ def _table() -> dict[str, Rule]:
     add("layer_norm rms_norm", reductions.norm_over_last)
     add("batch_norm instance_norm group_norm", reductions.norm_over_channels)
     add("linear", reductions.linear)
+    add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d", reductions.convolution)
     add("matmul mm bmm", reductions.matmul)
     add("embedding", reductions.embedding)
     add("one_hot", reductions.one_hot)

@@ -119,6 +119,20 @@ def triangle(a, node: fx.Node) -> Layout:
     return layout
 
 
+def convolution(a, node: fx.Node) -> Layout:
+    """conv1d / conv2d / conv3d and their transposes over [N, C, *spatial]: along the spatial dims each
+    output reads neighbours, which at a shard's edge live on the next rank."""
+    _materialize_all(a, node)
+    layout = a.layout(node.args[0])
+    if any(d >= 2 for d in layout.dims):
+        return a.refuse(
+            node,
+            "convolves along the sequence: outputs at a shard's edge need the neighbouring rank's tokens",
+            "Put the sequence in the batch or channel dim, or convolve in the data pipeline",
+        )
+    return layout
+
+
 def norm_over_last(a, node: fx.Node) -> Layout:
     """layer_norm / rms_norm: normalized over the trailing ``normalized_shape`` dims."""
     _materialize_all(a, node)

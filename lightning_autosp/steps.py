@@ -1,0 +1,158 @@
+"""The LightningModule's steps, compiled with the AutoSP backend: one backend per sequence layout.
+
+The strategy compiles the steps, not the module: a loss written in ``training_step`` is then inside the
+compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mode, frames_not_compiled
+from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.data import SequenceShard
+
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+_LOGGING = ("log", "log_dict")
+
+
+class CompiledSteps:
+    """Installs compiled steps on a LightningModule and keeps their backends, one per sequence layout.
+
+    Args:
+        make_backend: the backend for a layout's context (None: no sequence parallelism, sp_size=1).
+        make_context: this rank's ``SPContext`` for a layout.
+        current_shard: the layout of the batch being stepped on (the strategy's, set in ``batch_to_device``).
+    """
+
+    def __init__(
+        self,
+        make_backend: Callable[[SPContext | None], AutoSPBackend],
+        make_context: Callable[[SequenceShard], SPContext],
+        current_shard: Callable[[], SequenceShard | None],
+    ) -> None:
+        self._make_backend, self._make_context, self._current_shard = (
+            make_backend,
+            make_context,
+            current_shard,
+        )
+        self._backends: dict[SequenceShard | None, AutoSPBackend] = {}
+        self._originals: dict[str, Callable] = {}
+
+    @property
+    def backends(self) -> Mapping[SequenceShard | None, AutoSPBackend]:
+        return self._backends
+
+    def backend_for(self, shard: SequenceShard | None) -> AutoSPBackend:
+        """The compile backend for one sequence layout (Dynamo keeps one compiled graph per backend)."""
+        if shard not in self._backends:
+            self._backends[shard] = self._make_backend(None if shard is None else self._make_context(shard))
+        return self._backends[shard]
+
+    def install(self, module: pl.LightningModule) -> None:
+        # Dynamo cannot trace Lightning's logging; calling it from a compiled step becomes a graph break.
+        for name in _LOGGING:
+            self._originals[name] = getattr(module, name)
+            setattr(module, name, torch._dynamo.disable(getattr(module, name)))
+        for name in STEPS:
+            step = getattr(module, name, None)
+            if step is None or name in self._originals:
+                continue
+            self._originals[name] = step
+            setattr(module, name, self.compiled(name, step))
+
+    def uninstall(self, module: pl.LightningModule | None) -> None:
+        if module is not None:
+            for name in self._originals:
+                module.__dict__.pop(name, None)
+        self._originals.clear()
+
+    def compiled(self, name: str, step: Callable) -> Callable:
+        """``step``, compiled on its first call for each sequence layout and checked on every call."""
+        # The global sequence layout is baked into the compiled graph, and shards of one local length can
+        # come from different global lengths (61 and 62 tokens both give rank 0 31 tokens), so each layout
+        # gets its own backend, which Dynamo guards on.
+        compiled: dict[SequenceShard | None, Callable] = {}
+
+        @functools.wraps(step)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                # Called from another compiled step (validation_step calling self.training_step):
+                # Dynamo inlines the original step into the caller's graph.
+                return step(*args, **kwargs)
+            shard = self._current_shard()
+            mode = active_dispatch_mode()
+            if shard is not None and mode is not None:
+                raise RuntimeError(
+                    f"{name} was called under {type(mode).__name__}, a TorchDispatchMode under which "
+                    "torch.compile runs code eagerly, i.e. without sequence parallelism. Measure outside "
+                    "the step (e.g. MemoryMonitor, torch.cuda.max_memory_allocated) instead."
+                )
+            backend = self.backend_for(shard)
+            first_call = shard not in compiled
+            if first_call:
+                compiled[shard] = torch.compile(step, backend=backend, dynamic=False)
+            skipped = frames_not_compiled()
+            output = compiled[shard](*args, **kwargs)
+            if shard is not None:
+                check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped)
+            if first_call and name == "training_step" and os.environ.get("AUTOSP_DEBUG") == "1":
+                rank_zero_info(
+                    f"AutoSP (AUTOSP_DEBUG=1), after the first {name} of this layout:\n{self.explain()}"
+                )
+            return output
+
+        return run
+
+    def explain(self) -> str:
+        """What the compiler did, per compiled graph: attention found, all-to-alls, rewrites, layouts."""
+        lines = []
+        for shard, backend in self._backends.items():
+            layout = (
+                "no sequence parallelism"
+                if shard is None
+                else f"sequence {shard.global_len} -> {shard.seq_lens}{_ring_description(shard)}"
+            )
+            for index, report in enumerate(backend.reports):
+                lines.append(f"graph {index} ({layout}):")
+                lines.extend(f"  {line}" for line in report.lines())
+            lines.extend(f"{report.line()}" for report in backend.sac_reports)
+            lines.extend(line for report in backend.loss_reports for line in report.lines())
+        return "\n".join(lines) if lines else "Nothing compiled yet."
+
+
+def _ring_description(shard: SequenceShard) -> str:
+    if shard.ring_degree == 1:
+        return ""
+    layout = "contiguous" if shard.is_contiguous else "zigzag"
+    return f", ulysses {shard.ulysses_degree} x ring {shard.ring_degree} ({layout})"
+
+
+def check_sequence_parallel_applied(step_name: str, backend: AutoSPBackend, skipped_frames: int) -> None:
+    # Every rank runs the same graphs, so every rank raises here alike: nobody is left in a collective.
+    if skipped_frames:
+        raise RuntimeError(
+            f"torch.compile could not compile part of {step_name} ({skipped_frames} frame(s) fell back to "
+            "eager, e.g. a graph break inside a for loop), and code outside compiled graphs runs without "
+            "sequence parallelism. Remove the graph break (TORCH_LOGS=graph_breaks shows where) or move it "
+            "out of the loop."
+        )
+    if not backend.reports:
+        raise RuntimeError(
+            f"torch.compile ran {step_name} without calling the AutoSP backend (compilation disabled, or "
+            "Dynamo's recompile limit reached after many distinct sequence lengths), so sequence "
+            "parallelism was not applied. Bucket or pad sequence lengths to a few fixed values."
+        )
+    if backend.attention_count == 0:
+        raise RuntimeError(
+            f"No attention call was found in the compiled graphs of {step_name}, so sequence parallelism "
+            "cannot be applied. Compute attention with torch.nn.functional.scaled_dot_product_attention "
+            "(HF: attn_implementation='sdpa'); hand-written softmax(QK^T)V attention is not recognized."
+        )

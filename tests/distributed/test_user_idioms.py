@@ -1,0 +1,48 @@
+"""Training steps as users write them (issue 14), through Lightning on 2 processes: every idiom the SP
+pass proves exact equals one device on every rank; every idiom it cannot prove stops every rank with the
+same error, before any collective. tests/unit/test_user_idioms.py covers more lengths, ranks simulated.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.test_parity import PARITY_HANG_GUARD_S, assert_parity, launch
+
+pytestmark = pytest.mark.distributed
+
+EXACT = [
+    "idiom_learned_table",  # Inductor + SAC, 25 tokens (13 + 12)
+    "idiom_rope_table",
+    "idiom_litgpt",
+    "idiom_opt_cumsum_positions",
+    "idiom_window_equals_shard",
+    "idiom_nll_of_log_softmax",
+    "idiom_sum_over_count",  # Inductor + SAC
+    "idiom_rolled_labels",
+    "idiom_per_token_losses",
+]
+REFUSED = {
+    "idiom_refused_sort": "orders values (sort) along the sequence",
+    "idiom_refused_branch_on_length": "branched on the sequence length",
+    "idiom_refused_pool_last_token": "selects single positions",
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[int, dict]:
+    return launch(2, [*EXACT, *REFUSED], tmp_path_factory.mktemp("idioms"), PARITY_HANG_GUARD_S)
+
+
+@pytest.mark.timeout(PARITY_HANG_GUARD_S + 60)
+@pytest.mark.parametrize("case", EXACT)
+def test_idiom_is_exact_on_every_rank(results, case):
+    assert_parity(results, case)
+
+
+@pytest.mark.timeout(PARITY_HANG_GUARD_S + 60)
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_idiom_is_refused_on_every_rank_alike(results, case):
+    errors = {rank: per_case[case].get("error", "") for rank, per_case in results.items()}
+    assert all(REFUSED[case] in error and "user_modules.py" in error for error in errors.values()), errors
+    assert len(set(errors.values())) == 1, errors  # the same words on every rank: nobody kept going

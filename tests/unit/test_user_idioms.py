@@ -1,0 +1,80 @@
+"""Training steps as users write them (tests/distributed/user_modules.py): each idiom the SP pass proves
+exact equals one device on every rank; each it cannot prove is refused, naming the user's line and a fix.
+
+Ranks are simulated in one process (tests/unit/sp_graphs.py); tests/distributed/test_user_idioms.py runs
+the same modules through Lightning on 2 processes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from benchmarks.common import grad_rel_err, rel_err
+from tests.distributed.modules import VOCAB
+from tests.distributed.user_modules import HFModule, LitGPTModule, LossGPT, RefusedIdiomGPT, SlicedTableGPT
+from tests.unit.sp_graphs import simulate_step, single_device
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
+EXACT = {
+    # position tables sliced by the length: learned (minGPT), a rope cache (litgpt, freqs_cis[:seqlen])
+    "learned_table": lambda: SlicedTableGPT("learned"),
+    "rope_table": lambda: SlicedTableGPT("rope"),
+    "litgpt": lambda: LitGPTModule(),
+    # positions from a cumsum of the attention mask
+    "opt": lambda: HFModule("opt", ffn_dim=64, word_embed_proj_dim=32, **NO_DROPOUT),
+    # a sliding window equal to the shard length (12 of 24 tokens): not taken for the causal mask
+    "mistral_window_12": lambda: HFModule("mistral", sliding_window=12),
+    # losses written by hand
+    "nll_of_log_softmax": lambda: LossGPT("nll"),
+    "sum_over_count": lambda: LossGPT("sum_over_count"),
+    "rolled_labels": lambda: LossGPT("roll"),
+    "mean_of_per_token_losses": lambda: LossGPT("mean_none"),
+}
+REFUSED = {
+    "hand_written_attention": ("matmul", "attention written by hand", "scaled_dot_product_attention"),
+    "sort_over_sequence": ("sort", "orders values (sort) along the sequence", "Order along other dims"),
+    "pool_last_token": ("getitem", "selects single positions", "select the position in the data pipeline"),
+    "branch_on_length": (None, "branched on the sequence length", "Make the branch independent"),
+    "conv_over_sequence": ("conv1d", "convolves along the sequence", "convolve in the data pipeline"),
+    "cumsum_of_activations": ("cumsum", "takes a running cumsum along the sequence", "data pipeline"),
+}
+
+
+def batch_of(length: int, ignored_tail: int = 3) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, VOCAB, (2, length), generator=generator)
+    labels = ids.clone()
+    labels[:, length - ignored_tail :] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("length", [24, 25])
+@pytest.mark.parametrize("idiom", list(EXACT))
+def test_idiom_is_exact(idiom: str, length: int) -> None:
+    torch.manual_seed(0)
+    module = EXACT[idiom]()
+    batch = batch_of(length)
+    loss, grads = single_device(module, batch)
+    simulated = simulate_step(module, batch, 2)
+    assert max(rel_err(rank_loss, loss) for rank_loss in simulated.losses) <= 1e-5
+    assert grad_rel_err(simulated.grads, grads) <= 1e-4
+
+
+@pytest.mark.parametrize("idiom", list(REFUSED))
+def test_idiom_is_refused_with_the_users_line(idiom: str) -> None:
+    torch.manual_seed(0)
+    module = RefusedIdiomGPT(idiom)
+    op, reason, fix = REFUSED[idiom]
+    with pytest.raises(NotImplementedError) as refusal:
+        simulate_step(module, batch_of(24), 2)
+    message = str(refusal.value)
+    assert reason in message and fix in message, message
+    if op is not None:  # the op, in the user's file, at the line that calls it
+        assert re.search(rf"- {op} at .*user_modules\.py:\d+ in training_step", message), message
+    else:  # a branch: Dynamo's record of where the user's code took it
+        assert "user_modules.py" in message, message
