@@ -79,7 +79,7 @@ class Analysis:
         sizes: node -> the expression of an int or float computed from a sequence length.
         token_data: nodes computed without parameters or gradients (from the batch's per-token inputs,
             sizes and constants): cheap to recompute for the whole sequence.
-        lengths: each sequence symbol -> its global value; ``local_lengths``: -> this rank's.
+        lengths: each sequence symbol -> its global value.
     """
 
     def __init__(
@@ -94,7 +94,6 @@ class Analysis:
         self.plan = Plan()
         self.refusals: list[Refusal] = []
         self.lengths: dict[sympy.Symbol, int] = {}
-        self.local_lengths: dict[sympy.Symbol, int] = {}
         self.input_tags: dict[fx.Node, Tag] = {}
         self.output_tags: list[Tag | None] = []
         self.output_nodes: list[object] = []
@@ -107,7 +106,7 @@ class Analysis:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for node, example in zip(placeholders, self.example_inputs):
             self._classify_input(node, example)
-        self._solve_lengths(placeholders)
+        self._solve_lengths()
         for node in self.gm.graph.nodes:
             if node.op in ("call_function", "call_method"):
                 self._visit(node)
@@ -117,10 +116,10 @@ class Analysis:
                 self._visit_output(node)
         return self
 
-    def check_guards(self, shape_env: object) -> None:
+    def check_guards(self, shape_env: object, traced: int | None = None) -> None:
         """Refuse branches the model took on this rank's length that it would not take on the whole
-        sequence (Note [Symbolic sequence lengths])."""
-        for guard, where in symbols.broken_guards(shape_env, self.lengths):
+        sequence (Note [Symbolic sequence lengths]); ``traced``: how many guards Dynamo recorded."""
+        for guard, where in symbols.broken_guards(shape_env, self.lengths, traced):
             self.refusals.append(
                 Refusal(
                     None,
@@ -195,7 +194,10 @@ class Analysis:
         """``node`` mixes values along the sequence: token data is recomputed for the whole sequence,
         anything else (activations, which need gradients) is refused."""
         layouts = out if isinstance(out, tuple) else (out,)
-        if node in self.token_data and not any(isinstance(x, Layout) and x.flat for x in layouts):
+        if node in self.token_data:
+            if any(isinstance(x, Layout) and x.flat for x in layouts):
+                self.refuse(node, f"{what} along a dim that flattens tokens with other dims", fix)
+                return out
             self.plan.recompute.append(node)
             return out
         self.refuse(node, f"{what} along the sequence, over activations (values with gradients)", fix)
@@ -252,19 +254,16 @@ class Analysis:
             self.refuse(
                 node,
                 f"the graph input {node.name} (shape {tuple(example.shape)}) was computed outside the "
-                "compiled "
-                "graphs (by code that ran eagerly: a frame Dynamo skipped after a graph break, or a module "
-                "called through hooks, such as an FSDP unit the model shards itself) and has a dim "
-                "of a shard's "
-                "length, so it may hold sequence data computed without SP",
+                "compiled graphs (by code that ran eagerly: a frame Dynamo skipped after a graph break, or "
+                "a module called through hooks, such as an FSDP unit the model shards itself) and has a "
+                "dim of a shard's length, so it may hold sequence data computed without SP",
                 "Remove the graph break before it (TORCH_LOGS=graph_breaks shows where); shard with "
                 "AutoSPStrategy(data_parallel='fsdp') instead of fully_shard on submodules; or pass the "
                 "tensor in the batch",
             )
 
-    def _solve_lengths(self, placeholders: list[fx.Node]) -> None:
-        """Each sequence symbol's global and local value, from the tagged inputs' sequence dims."""
-        shard = self.context.shard
+    def _solve_lengths(self) -> None:
+        """Each sequence symbol's global value, from the tagged inputs' sequence dims."""
         for node, tag in self.input_tags.items():
             shape = self.shape(node)
             if shape is None or not tag.layout.is_shard:
@@ -286,8 +285,6 @@ class Analysis:
                 solutions = [s for s in sympy.solve(sympy.Eq(expr, global_size), symbol) if s.is_integer]
                 if solutions:
                     self.lengths.setdefault(symbol, int(solutions[0]))
-        for symbol, value in self.lengths.items():
-            self.local_lengths[symbol] = len(shard.positions(value))
         # Sizes of other symbols (there are none unless something else was marked dynamic) are constants.
         self.sizes = {n: e for n, e in self.sizes.items() if self.has_sequence_symbol(e)}
 
@@ -334,9 +331,8 @@ class Analysis:
             self.layouts[node] = self.refuse(
                 node,
                 "no rule says how this op treats the sequence dim",
-                "Write the step with ops the SP pass knows (README: What the SP pass rewrites and "
-                "refuses), or "
-                "open an issue with this op",
+                "Write the step with ops the SP pass knows (README: Limits and errors), or open an "
+                "issue with this op",
             )
             return
         self.layouts[node] = rule(self, node)

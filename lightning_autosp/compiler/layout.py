@@ -119,7 +119,8 @@ class SequenceTags:
             return None
         tag = self._tags.get(tensor)
         base = tensor._base
-        if tag is None and base is not None and _same_view(tensor, base):
+        real = not isinstance(tensor, torch._subclasses.FakeTensor)  # comparing symbolic sizes would guard
+        if tag is None and real and base is not None and _same_view(tensor, base):
             tag = self._tags.get(base)
         return tag
 

@@ -50,8 +50,8 @@ def attention_mask(
     if not ctx.shard.is_contiguous and _sharded_inputs(copier, mask):
         raise NotImplementedError(
             f"The attention mask of {attention.name} is computed from per-token data (packed "
-            "documents), which "
-            "is not supported with ring_layout='zigzag' yet. Use AutoSPStrategy(ring_layout='contiguous')."
+            "documents), which is not supported with ring_layout='zigzag' yet. Use "
+            "AutoSPStrategy(ring_layout='contiguous')."
         )
     if not _sharded_inputs(copier, mask) and is_causal_mask(copier, mask):
         report.append(f"{attention.name}: causal mask -> is_causal=True")

@@ -47,6 +47,7 @@ class GlobalCopier:
         self.pristine = {node: (node.args, node.kwargs) for node in gm.graph.nodes}
         self.order = {node: index for index, node in enumerate(gm.graph.nodes)}
         self.copies: dict[fx.Node, object] = {}
+        self._last_copy: fx.Node | None = None
 
     def copy(self, node: fx.Node) -> fx.Node:
         """The whole-sequence value of ``node``. Copies depend on graph inputs only, so they all go right
@@ -94,7 +95,7 @@ class GlobalCopier:
             return node
         args, kwargs = self.pristine[node]
         mapped = fx.node.map_arg((args, kwargs), lambda n: self.copies.get(n, n))
-        with self.graph.inserting_before(self._insertion_point()):
+        with self.graph.inserting_after(self._insertion_point(_nodes_in(mapped))):
             copy = self.graph.create_node(node.op, node.target, *mapped, name=f"{node.name}_global")
         self._last_copy = copy
         copy.meta = {
@@ -103,18 +104,15 @@ class GlobalCopier:
         set_fake_value(copy)
         return copy
 
-    def _insertion_point(self) -> fx.Node:
-        """Right after the last copy made so far, else after the graph's inputs and gathers."""
-        last = getattr(self, "_last_copy", None)
-        if last is not None:
-            return last.next
-        return next(
-            n
-            for n in self.graph.nodes
-            if n.op != "placeholder"
-            and n.target is not _GATHER
-            and not (n.target is torch.index_select and n.args[0].target is _GATHER)
-        )
+    def _insertion_point(self, inputs: list[fx.Node]) -> fx.Node:
+        """The latest of a copy's inputs and the copy made before it: copies depend on graph inputs (and
+        their gathers) only, so they all sit near the top of the graph, before any use."""
+        candidates = {*inputs, *([self._last_copy] if self._last_copy is not None else [])}
+        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        for node in self.graph.nodes:
+            if node in candidates:
+                last = node
+        return last
 
     def _gathered(self, token: fx.Node) -> fx.Node:
         """``gather_sequence(token)`` right after the graph inputs; one per input and graph."""

@@ -88,10 +88,11 @@ def sequence_parallel_pass(
         ValueError: the heads do not divide by the sp (Ulysses) degree.
     """
     report = SPReport()
-    analysis = Analysis(gm, example_inputs, ctx, tags).run()
     shape_env = symbols.graph_shape_env(gm, example_inputs)
+    traced_guards = symbols.guard_count(shape_env)  # the pass must add none; it checks Dynamo's
+    analysis = Analysis(gm, example_inputs, ctx, tags).run()
     if check_guards:
-        analysis.check_guards(shape_env)
+        analysis.check_guards(shape_env, traced_guards)
     analysis.raise_refusals()
     for node in analysis.plan.attention:
         if node in analysis.flash_matches:
@@ -100,7 +101,6 @@ def sequence_parallel_pass(
             attention.check_sdpa(node, ctx)
     _specialize(gm, analysis)
     report.output_tags = list(analysis.output_tags)
-    report.layouts = _explained_layouts(analysis)
 
     copier = GlobalCopier(gm, analysis, ctx)
     for node in analysis.plan.attention:  # whole masks first, from the graph as traced
@@ -121,6 +121,7 @@ def sequence_parallel_pass(
         if tag is not None and isinstance(meta_value(value), torch.Tensor):
             tags.mark(meta_value(value), tag)
     gm.graph.eliminate_dead_code()  # the per-rank masks replaced by whole ones (and what only they used)
+    report.layouts = _explained_layouts(analysis, gm.graph)
     report.recomputed = recompute_pass(copier)
     gm.graph.eliminate_dead_code()
 
@@ -171,12 +172,10 @@ def _refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[object]) -
             node.meta["example_value"] = node.meta["val"]
 
 
-def _explained_layouts(analysis: Analysis) -> list[str]:
-    """The layouts a user cares about: positions, masks, losses and the graph's outputs."""
-    notable = [
-        *analysis.plan.positions,
-        *analysis.plan.tables,
-        *analysis.plan.losses,
-        *analysis.plan.materialize,
-    ]
-    return [f"{node.name}={analysis.layouts.get(node)}" for node in dict.fromkeys(notable)]
+def _explained_layouts(analysis: Analysis, graph: fx.Graph) -> list[str]:
+    """The layouts a user cares about: positions, token data computed whole, losses and partial sums
+    (those still used once the masks are whole)."""
+    plan = analysis.plan
+    notable = [*plan.positions, *plan.tables, *plan.recompute, *plan.losses, *plan.materialize]
+    alive = set(graph.nodes)
+    return [f"{node.name}={analysis.layouts.get(node)}" for node in dict.fromkeys(notable) if node in alive]

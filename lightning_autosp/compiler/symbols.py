@@ -82,11 +82,18 @@ def graph_shape_env(gm: fx.GraphModule, example_inputs: Sequence[object]) -> obj
     return shape_env_of(example_inputs)
 
 
-def broken_guards(shape_env: object, lengths: Mapping[sympy.Symbol, int]) -> list[tuple[str, str]]:
+def guard_count(shape_env: object) -> int:
+    return len(getattr(shape_env, "guards", ()))
+
+
+def broken_guards(
+    shape_env: object, lengths: Mapping[sympy.Symbol, int], first: int | None = None
+) -> list[tuple[str, str]]:
     """The shape guards on the sequence symbols that do not hold at the global lengths, as
-    ``(guard, where the user's code took the branch)``."""
+    ``(guard, where the user's code took the branch)``; the first ``first`` guards only (those Dynamo
+    recorded while tracing, not any the compiler adds afterwards)."""
     broken = []
-    for guard in getattr(shape_env, "guards", ()):
+    for guard in list(getattr(shape_env, "guards", ()))[:first]:
         expr = guard.expr
         if not symbols_of(expr) or not symbols_of(expr) <= set(lengths):
             continue

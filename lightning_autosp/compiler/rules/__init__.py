@@ -33,8 +33,7 @@ def _table() -> dict[str, Rule]:
     add("select", shapes.select)
     add(
         "index_select gather take_along_dim scatter scatter_add scatter_reduce index_add index_copy "
-        "index_fill "
-        "index_put",
+        "index_fill index_put",
         shapes.index_along,
     )
     add("pad", shapes.pad)

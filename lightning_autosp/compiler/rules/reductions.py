@@ -372,9 +372,8 @@ def _refuse_mask(a, node: fx.Node) -> Layout:
     return a.refuse(
         node,
         "uses an attention mask computed from activations or parameters, which cannot be rebuilt for "
-        "the whole "
-        "sequence",
-        "Build masks from sizes or integer per-token inputs (positions, document ids, padding), or use "
+        "the whole sequence",
+        "Build masks from sizes or per-token inputs (positions, document ids, padding), or use "
         "is_causal=True",
     )
 
@@ -389,8 +388,7 @@ def flash(a, node: fx.Node) -> object:
             return a.refuse(
                 node,
                 f"{name} is computed from the sequence (this rank's shard), but after the all-to-all "
-                "attention "
-                "runs over the whole row",
+                "attention runs over the whole row",
                 "Put the cu_seqlens of the whole packed row in the batch (one row per batch)",
             )
     seq = match.seq_dim
@@ -414,6 +412,5 @@ def refuse_subgraph(a, node: fx.Node) -> Layout:
         "runs sequence data through a region the pass cannot see into (activation checkpointing, a custom "
         "autograd.Function, torch.cond)",
         "Turn off the model's gradient checkpointing (AutoSPStrategy's sac=True recomputes "
-        "activations already) "
-        "and write custom Functions' math inline",
+        "activations already) and write custom Functions' math inline",
     )

@@ -46,6 +46,8 @@ def view(a, node: fx.Node) -> Layout:
     in_shape, out_shape = a.shape(source), a.shape(node)
     if in_shape is None or out_shape is None or layout.kind not in ("shard", "global"):
         return layout
+    if layout.kind == "global":  # a mask handed on whole: its sizes are the global ones
+        a.plan.global_shapes[node] = None
     hints_in = [symbols.hint(v) for v in meta_value(source).shape]
     hints_out = [symbols.hint(v) for v in meta_value(node).shape]
     dims, flat = set(), set()
@@ -58,8 +60,7 @@ def view(a, node: fx.Node) -> Layout:
             return a.refuse(
                 node,
                 f"reshapes the sequence dim {seq_in} of {tuple(in_shape)} into {tuple(out_shape)} in "
-                "a way that "
-                "mixes it with another dim",
+                "a way that mixes it with another dim",
                 "Keep the sequence dim whole in views (flattening it with the dims before it is fine)",
             )
         (out_dim,) = carriers
@@ -144,6 +145,7 @@ def expand(a, node: fx.Node) -> Layout:
             return a.refuse(node, "repeats values along the sequence", "Repeat along other dims only")
     dims |= _sequence_dims_of_output(a, node)
     if layout.kind == "global":
+        a.plan.global_shapes[node] = None
         return Layout("global", tuple(sorted(dims)))
     return shard(*dims, flat=tuple(d + offset for d in layout.flat))
 
