@@ -36,8 +36,10 @@ class Outcome:
     error_type: str = "NotImplementedError"
 
 
-def graph_signature(gm: fx.GraphModule, rewrites: list[str]) -> tuple[str, ...]:
-    """The collectives of ``gm`` in order and the rewrites that talk to other ranks, lengths left out."""
+def graph_signature(gm: fx.GraphModule, rewrites: list[str], groups: dict[str, str]) -> tuple[str, ...]:
+    """The collectives of ``gm`` in order and the rewrites that talk to other ranks, lengths left out.
+    ``groups`` names each process group by its role ("sp", "ring", ...): the ranks of an sp group sit in
+    different ring and Ulysses groups, whose names differ."""
     lines = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or not is_collective(node):
@@ -48,7 +50,7 @@ def graph_signature(gm: fx.GraphModule, rewrites: list[str]) -> tuple[str, ...]:
             if value is not None:
                 operands.append(f"{value.dtype}[{value.dim()}]")
             elif isinstance(arg, str):
-                operands.append(arg)  # the group
+                operands.append(groups.get(arg, arg))  # the group
         lines.append(f"{node.target}({', '.join(operands)})")
     # Node names are the same on every rank (one trace structure); lengths in them are not.
     lines += [re.sub(r"\d+", "#", line) for line in rewrites]

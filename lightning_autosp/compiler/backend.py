@@ -121,7 +121,7 @@ class AutoSPBackend:
                 raise
             # Note [Ranks agree on their graphs]
             rewrites = [*report.attention, *report.ring_attention, *report.losses]
-            agree(Outcome(graph_signature(gm, rewrites)), self.context.group_name)
+            agree(Outcome(graph_signature(gm, rewrites, self.context.group_roles)), self.context.group_name)
             self.reports.append(report)
             output_tags = report.output_tags
         if self.chunked_loss:  # after SP: it chunks the loss of this rank's tokens

@@ -27,6 +27,12 @@ class SPContext:
             return self.comm_args
         return list(self.shard.ulysses_seq_lens), self.shard.ulysses_rank, self.ulysses_group_name
 
+    @property
+    def group_roles(self) -> dict[str, str]:
+        """Each process group's name -> its role; ranks of one sp group share the roles, not the names."""
+        roles = {self.group_name: "sp", self.ulysses_group_name: "ulysses", self.ring_group_name: "ring"}
+        return {name: role for name, role in roles.items() if name is not None}
+
     def owned(self, length: int) -> list[int]:
         """Global positions this rank owns of a sequence-derived tensor of ``length`` positions."""
         return self.shard.positions(length)
