@@ -304,7 +304,8 @@ def single_device_reference(
         loss.backward()
         losses.append(loss.item())
         for n, p in module.named_parameters():
-            grads[n] = grads.get(n, 0) + p.grad / dp
+            if p.grad is not None:  # a parameter the loss never reaches has no gradient on either side
+                grads[n] = grads.get(n, 0) + p.grad / dp
     module.zero_grad()
     return losses, grads
 

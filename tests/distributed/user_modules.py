@@ -65,7 +65,8 @@ class SlicedTableGPT(_SGD):
         super().__init__()
         self.positions = positions
         self.wte = nn.Embedding(VOCAB, dim)
-        self.pos_emb = nn.Parameter(0.02 * torch.randn(1, 128, dim))
+        if positions == "learned":  # no unused parameter: DDP would leave its bucket unreduced
+            self.pos_emb = nn.Parameter(0.02 * torch.randn(1, 128, dim))
         cos, sin = rope_cache(128, dim // heads)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
