@@ -3,5 +3,6 @@
 from lightning_autosp.callbacks import MemoryMonitor, SequenceThroughputMonitor
 from lightning_autosp.planner import plan
 from lightning_autosp.strategy import AutoSPStrategy
+from lightning_autosp.verify import VerifyResult, verify
 
-__all__ = ["AutoSPStrategy", "MemoryMonitor", "SequenceThroughputMonitor", "plan"]
+__all__ = ["AutoSPStrategy", "MemoryMonitor", "SequenceThroughputMonitor", "VerifyResult", "plan", "verify"]

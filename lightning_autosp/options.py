@@ -59,6 +59,7 @@ def check_strategy_arguments(
     seq_dim: object,
     sequence_keys: object,
     save_distributed_checkpoint: object,
+    check_samples: object,
     process_group_backend: object,
     start_method: object,
     parallel_devices: object,
@@ -80,6 +81,11 @@ def check_strategy_arguments(
         )
     if not isinstance(save_distributed_checkpoint, bool):
         raise TypeError(f"save_distributed_checkpoint={save_distributed_checkpoint!r} must be True or False.")
+    if not isinstance(check_samples, bool):
+        raise TypeError(
+            f"check_samples={check_samples!r} must be True (the ranks of an sp group check that they hold "
+            "the same sample before each step) or False."
+        )
     if process_group_backend is not None and not isinstance(process_group_backend, str):
         raise TypeError(
             f"process_group_backend={process_group_backend!r} must be a backend name such as 'nccl' or "

@@ -56,6 +56,7 @@ from lightning_autosp.mesh import (
 )
 from lightning_autosp.meta_init import has_meta_tensors, materialize
 from lightning_autosp.options import check_strategy_arguments, process_group_timeout
+from lightning_autosp.sample_check import check_same_sample
 from lightning_autosp.steps import CompiledSteps
 
 _STEP_CONTEXTS = {
@@ -106,6 +107,9 @@ class AutoSPStrategy(DDPStrategy):
             "per_step" makes the LightningModule one FSDP2 ``fully_shard`` unit, whole for each step.
         save_distributed_checkpoint: with "fsdp", save one shard per rank to a directory instead of
             a full checkpoint file assembled on rank 0.
+        check_samples: before each step, the ranks of an sp group check that they hold the same sample
+            (a checksum of the sequence tensors, all-gathered; Note [Ranks hold the same sample] in
+            ``sample_check.py``) and raise naming the ranks that differ. False turns the check off.
         timeout: process-group timeout, in seconds or as a ``timedelta``; a rank that fails leaves the
             others waiting at most this long.
         **ddp_kwargs: passed to ``DistributedDataParallel``.
@@ -128,6 +132,7 @@ class AutoSPStrategy(DDPStrategy):
         data_parallel: fsdp.DataParallel = "ddp",
         fsdp_gather: fsdp.FSDPGather | None = None,
         save_distributed_checkpoint: bool = False,
+        check_samples: bool = True,
         max_seq_len: int | None = None,
         memory_per_device: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -140,11 +145,33 @@ class AutoSPStrategy(DDPStrategy):
         start_method: str = "popen",
         **ddp_kwargs: Any,
     ) -> None:
+        self._options = {
+            "sp_size": sp_size,
+            "seq_dim": seq_dim,
+            "sequence_keys": sequence_keys,
+            "compiler": compiler,
+            "sac": sac,
+            "ulysses_degree": ulysses_degree,
+            "ring_layout": ring_layout,
+            "chunked_loss": chunked_loss,
+            "loss_chunk_tokens": loss_chunk_tokens,
+            "data_parallel": data_parallel,
+            "fsdp_gather": fsdp_gather,
+            "save_distributed_checkpoint": save_distributed_checkpoint,
+            "check_samples": check_samples,
+            "max_seq_len": max_seq_len,
+            "memory_per_device": memory_per_device,
+            "process_group_backend": process_group_backend,
+            "timeout": timeout,
+            "start_method": start_method,
+            **ddp_kwargs,
+        }
         timeout = process_group_timeout(timeout)
         check_strategy_arguments(
             seq_dim=seq_dim,
             sequence_keys=sequence_keys,
             save_distributed_checkpoint=save_distributed_checkpoint,
+            check_samples=check_samples,
             process_group_backend=process_group_backend,
             start_method=start_method,
             parallel_devices=parallel_devices,
@@ -196,6 +223,13 @@ class AutoSPStrategy(DDPStrategy):
         self.data_parallel: fsdp.DataParallel = data_parallel
         self.fsdp_gather: fsdp.FSDPGather = fsdp_gather or "per_use"
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self.check_samples = check_samples
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options this strategy was made with, as keyword arguments (plugins left out): ``autosp
+        verify`` makes the same strategy again for its own run."""
+        return dict(self._options)
 
     @property
     def sp_size(self) -> int:
@@ -321,6 +355,16 @@ class AutoSPStrategy(DDPStrategy):
         if self.sp_size == 1:
             self.sequence_shard = None
             return batch
+        if self.check_samples:  # Note [Ranks hold the same sample]
+            check_same_sample(
+                batch,
+                group=self.device_mesh.get_group(SP),
+                seq_dim=self.seq_dim,
+                sequence_keys=self.sequence_keys,
+                device=self.root_device,
+                dp_rank=self.dp_rank,
+                sp_size=self.sp_size,
+            )
         sharded: list[torch.Tensor] = []
         batch, shard = shard_batch(
             batch,

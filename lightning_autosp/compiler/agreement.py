@@ -88,9 +88,10 @@ def _difference(first: tuple[str, ...], other: tuple[str, ...], rank: int) -> st
     return (
         "The ranks of the sp group compiled different graphs, so their collectives would not match (a "
         f"hang, or tensors swapped between ranks). First difference, entry {index}: sp rank 0 has {mine!r}, "
-        f"sp rank {rank} has {theirs!r}. Typical causes: the model branches on the sequence length or on "
-        "data (a graph break whose path depends on this rank's tokens). Make the step's control flow the "
-        "same on every rank."
+        f"sp rank {rank} has {theirs!r}. Typical cause: code that depends on which rank runs it "
+        "(torch.distributed.get_rank(), trainer.global_rank, a per-rank file or environment variable); "
+        "branches on the sequence length or on token data are made global or refused by the SP pass. "
+        "Make the step's control flow the same on every rank of the sp group."
     )
 
 

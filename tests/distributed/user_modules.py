@@ -119,9 +119,10 @@ class LossGPT(_SGD):
 
 
 class HFModule(_SGD):
-    """An HF causal LM built from a config (random init); HF shifts the labels inside its loss."""
+    """An HF causal LM built from a config (random init); HF shifts the labels inside its loss.
+    ``attn_implementation="eager"`` for the families transformers builds without SDPA."""
 
-    def __init__(self, family: str, **config) -> None:
+    def __init__(self, family: str, attn_implementation: str = "sdpa", **config) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -136,7 +137,7 @@ class HFModule(_SGD):
             use_cache=False,
         )
         self.model = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(family, **{**defaults, **config}), attn_implementation="sdpa"
+            AutoConfig.for_model(family, **{**defaults, **config}), attn_implementation=attn_implementation
         )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ def autosp_script() -> Path:
     return script
 
 
-def run_cli(tmp_path: Path, *args: str) -> str:
+def run_cli(tmp_path: Path, *args: str, expect_code: int = 0) -> str:
     """Run the installed ``autosp`` console script from the repository root, as the README does.
 
     Not ``python -m``, which would put the working directory on ``sys.path`` by itself. The only entry on
@@ -54,7 +54,7 @@ def run_cli(tmp_path: Path, *args: str) -> str:
         timeout=CLI_HANG_GUARD_S,
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    assert result.returncode == expect_code, output[-6000:]
     return output
 
 
@@ -158,6 +158,53 @@ def test_strategy_given_by_name(tmp_path: Path) -> None:
     (val_loss,) = values(rows, "val_loss")
     (val_ppl,) = values(rows, "val_ppl")
     assert val_ppl == pytest.approx(2.718281828459045**val_loss, rel=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(CLI_HANG_GUARD_S + 60)
+def test_autosp_verify_cpu_demo_config(tmp_path: Path) -> None:
+    # The README's first step with a new model, on the demo's config as it is (512 tokens, aot_eager, SAC,
+    # chunked loss): one step on one device and under AutoSP on 2 processes, compared; exits 0 when exact.
+    output = run_cli(tmp_path, "verify", "--config=examples/configs/cpu_demo.yaml", "--data.max_bytes=262144")
+    assert "autosp verify: LlamaModule, sp_size=2 on 2 cpu rank(s), 512 tokens, 32-true" in output
+    for row in (
+        "loss, relative error",
+        "gradients, relative error",
+        "Worst parameters",
+        "all-to-alls inserted",
+    ):
+        assert row in output, output[-4000:]
+    assert "EXACT: sequence parallelism reproduces the single-device step" in output
+    assert output.count("autosp verify:") == 1  # printed by rank 0 only
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(CLI_HANG_GUARD_S + 60)
+def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
+    # A loss that sorts activations along the sequence: the SP pass cannot make it exact, so verify shows
+    # the refusal, with the user's line, and exits non-zero.
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "strategy": {
+                "class_path": "lightning_autosp.AutoSPStrategy",
+                "init_args": {"compiler": "aot_eager"},
+            },
+        },
+        "model": {
+            "class_path": "tests.distributed.user_modules.RefusedIdiomGPT",
+            "init_args": {"idiom": "sort_over_sequence"},
+        },
+        "data": {"class_path": "tests.examples.cli_helpers.RandomTokens", "init_args": {"seq_len": 40}},
+    }
+    path = tmp_path / "planted.yaml"
+    path.write_text(yaml.safe_dump(config))
+    output = run_cli(tmp_path, "verify", f"--config={path}", "--seq_len=25", expect_code=1)
+    assert "25 tokens" in output
+    assert "orders values (sort) along the sequence" in output and "user_modules.py" in output, output[-4000:]
+    assert "REFUSED: the SP run stopped with the error above, on every rank" in output
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ Checks (2 ranks):
 - ``property``: hypothesis draws model/batch shapes; loss and gradient parity for each (run_case of
   ``tests/distributed/parity_worker.py``). Every rank draws the same examples (``derandomize=True``),
   and the ranks agree on each verdict with an all-reduce before asserting, so they stay in step.
+- ``same_sample``, ``agreement``: the ranks of an sp group hold the same sample and compile the same
+  graphs, or fail alike naming the difference (``agreement_checks.py``).
 - ``ambiguous_shard``: 2 sequences of 5 tokens, shards of 3 and 2: on the 2-token shard a shifted
   length is 1, which Dynamo specializes on (a branch the whole sequence would not take), so that rank's
   SP pass refuses; the ranks agree on their graphs before any runs (Note [Ranks agree on their graphs]),
@@ -54,6 +56,7 @@ from lightning_autosp import AutoSPStrategy  # noqa: E402
 from lightning_autosp.fsdp import local_state_bytes  # noqa: E402
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule  # noqa: E402
 from tests.distributed.parity_worker import Case, run_case  # noqa: E402
+from tests.reliability.agreement_checks import check_agreement, check_same_sample  # noqa: E402
 
 # Any check that leaves a rank waiting fails after this, not torch's 30 min; no shorter, so that one rank
 # compiling more slowly than the other on a busy machine does not time out its peer.
@@ -555,6 +558,8 @@ def main() -> None:
         "fsdp_validate": lambda: check_validate(data_parallel="fsdp"),
         "numerics": check_numerics,
         "property": lambda: check_property(out, args.max_examples),
+        "same_sample": check_same_sample,
+        "agreement": check_agreement,
         "ambiguous_shard": check_ambiguous_shard,
     }
     results = {}

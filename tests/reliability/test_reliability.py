@@ -73,6 +73,7 @@ def checks(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("reliability")
     names = ["bad_input", "checkpoint", "fsdp_checkpoint", "validate", "fsdp_validate", "numerics"]
     names.append("property")
+    names += ["same_sample", "agreement"]  # short process-group timeouts, like ambiguous_shard's
     names.append("ambiguous_shard")  # last: see checks_worker.py
     args = ["--out", str(out), "--checks", *names, "--max-examples", str(MAX_EXAMPLES)]
     code, stderr, _ = torchrun(2, HERE / "checks_worker.py", *args, timeout=CHECKS_HANG_GUARD_S)
@@ -260,3 +261,83 @@ def test_parity_holds_for_drawn_shapes(checks):
         failing = [e for e in result["examples"] if not e["ok"]]
         assert result["error"] is None and not failing, (rank, result["error"], failing)
         assert len(result["examples"]) >= MAX_EXAMPLES // 2, result["examples"]
+
+
+# 7. the ranks of an sp group agree (tests/reliability/agreement_checks.py)
+
+DIFFERENT_SAMPLES = ["iterable_by_global_rank", "no_distributed_sampler", "sampler_over_all_ranks"]
+
+
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
+@pytest.mark.parametrize("case", DIFFERENT_SAMPLES)
+def test_ranks_with_different_samples_fail_alike_naming_the_ranks_and_the_fix(checks, case):
+    errors = set()
+    for rank, results in each_rank(checks, "same_sample"):
+        outcome = results[case]
+        assert outcome["in_step"], (rank, outcome)  # nobody left waiting in a collective
+        error = outcome["error"] or ""
+        assert error.startswith("ValueError: The 2 ranks of sp group 0 hold different samples"), (
+            rank,
+            outcome,
+        )
+        assert "sp rank(s) [0] (global [0])" in error and "sp rank(s) [1] (global [1])" in error, error
+        assert "trainer.strategy.dp_rank" in error and "check_samples=False" in error, error
+        assert outcome["where"].startswith("sample_check.py:check_same_sample <- strategy.py:batch_to_device")
+        errors.add(error)
+    assert len(errors) == 1
+
+
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
+@pytest.mark.parametrize("case", ["iterable_by_dp_rank", "lightning_sampler", "check_off"])
+def test_loaders_that_agree_train_and_the_check_can_be_turned_off(checks, case):
+    # check_off: the IterableDataset sharded by global rank trains without a word: the check is what
+    # stops the cases above.
+    for rank, results in each_rank(checks, "same_sample"):
+        outcome = results[case]
+        assert outcome["error"] is None and outcome["in_step"], (rank, outcome)
+        assert "all-to-alls inserted" in outcome["explain"], outcome["explain"]
+
+
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
+def test_uneven_shards_compile_the_same_signature_on_every_rank(checks):
+    signatures = []
+    for rank, results in each_rank(checks, "agreement"):
+        outcome = results["uneven_shards"]
+        assert outcome["verdict"] == "exact", (rank, outcome)
+        assert "sequence 25 -> (13, 12)" in outcome["explain"]
+        assert outcome["signatures"] and any("seq_to_head" in line for line in outcome["signatures"][0])
+        signatures.append(outcome["signatures"])
+    assert signatures[0] == signatures[1]
+
+
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
+def test_a_step_that_branches_on_the_rank_fails_on_every_rank_naming_the_difference(checks):
+    # Rank 1 runs the model twice: its graph has more all-to-alls, in another order. Without the exchange
+    # of signatures rank 0 would wait in a collective rank 1 never joins, or take its tensors.
+    errors = set()
+    for rank, results in each_rank(checks, "agreement"):
+        outcome = results["branch_on_rank"]
+        assert outcome["verdict"] == "refused" and outcome["in_step"], (rank, outcome)
+        (error,) = set(outcome["errors"])  # the same on both ranks, gathered by verify
+        assert "compiled different graphs" in error and "First difference, entry" in error, error
+        assert "torch.distributed.get_rank()" in error, error
+        errors.add(error)
+    assert len(errors) == 1
+
+
+DATA_BRANCHES = {
+    "branch_on_any_token": "any over the sequence -> all-reduce",
+    "branch_on_first_token": "token data computed for the whole sequence",
+}
+
+
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
+@pytest.mark.parametrize("case", list(DATA_BRANCHES))
+def test_graph_breaks_on_data_that_differs_between_shards_branch_alike(checks, case):
+    # The condition reads token data only one shard holds (a 3 in rank 1's half; the first token, on rank
+    # 0): the SP pass computes it over the whole sequence, so both ranks take the single-device branch.
+    for rank, results in each_rank(checks, "agreement"):
+        outcome = results[case]
+        assert outcome["verdict"] == "exact", (rank, outcome)
+        assert DATA_BRANCHES[case] in outcome["explain"], outcome["explain"]
+        assert "graph 1 " in outcome["explain"], outcome["explain"]  # the break split the step

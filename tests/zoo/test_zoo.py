@@ -1,0 +1,56 @@
+"""The model zoo on 2 ranks, one torchrun launch for every family (``tests/zoo/worker.py``): each family
+is exact at an even and an odd length (and under Inductor + SAC where marked), or refused with its
+expected error, the same on every rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launch import torchrun
+from tests.zoo.families import EVEN_LENGTH, FAMILIES, ODD_LENGTH
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("worker.py")
+LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
+# A hang guard, several times what the launch takes on 2 idle cores (about 5 minutes).
+ZOO_HANG_GUARD_S = 2400
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("zoo") / "zoo.json"
+    code, stderr, _ = torchrun(2, WORKER, "--out", str(out), timeout=ZOO_HANG_GUARD_S)
+    assert code == 0, stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(ZOO_HANG_GUARD_S + 60)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_is_exact_or_refused_as_expected(zoo, name):
+    family, runs = FAMILIES[name], zoo["families"][name]["runs"]
+    assert {(EVEN_LENGTH, "aot_eager"), (ODD_LENGTH, "aot_eager")} <= {
+        (r["length"], r["compiler"]) for r in runs
+    }
+    assert family.inductor == any(r["compiler"] == "inductor" for r in runs)
+    for run in runs:
+        if family.refusal is None:
+            assert run["verdict"] == "exact", run
+            assert run["loss_rel_err"] <= LOSS_TOLERANCE and run["grad_rel_err"] <= GRAD_TOLERANCE, run
+            assert not run["missing_grads"], run
+        else:
+            assert run["verdict"] == "refused", run
+            errors = run["errors"]
+            assert all(error and family.refusal in error for error in errors), errors
+            assert len(set(errors)) == 1, errors  # the same words on every rank: none kept going
+
+
+@pytest.mark.timeout(ZOO_HANG_GUARD_S + 60)
+def test_the_zoo_tells_a_wrong_step_from_an_exact_one(zoo):
+    # Negative control: nanoGPT with the SP pass off (each rank attends to its own half) must not pass.
+    control = zoo["control"]
+    assert control["verdict"] == "not exact", control
+    assert control["loss_rel_err"] > 1e-3 and control["grad_rel_err"] > 1e-2, control
