@@ -84,7 +84,6 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family(
         hf("gpt2", n_inner=64, **NO_GPT2_DROPOUT),
         "learned positions, Conv1D (addmm) projections",
-        refusal="addmm",
     ),
     "gpt_neox": Family(hf("gpt_neox"), "partial rotary (25%), parallel residual, fused qkv"),
     "opt": Family(

@@ -58,6 +58,7 @@ def _table() -> dict[str, Rule]:
     add("linear", reductions.linear)
     add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d", reductions.convolution)
     add("matmul mm bmm", reductions.matmul)
+    add("addmm baddbmm", reductions.add_product)
     add("embedding", reductions.embedding)
     add("one_hot", reductions.one_hot)
     add(

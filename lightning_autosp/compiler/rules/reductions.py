@@ -172,7 +172,19 @@ def linear(a, node: fx.Node) -> Layout:
 def matmul(a, node: fx.Node) -> Layout:
     """matmul / @ / mm / bmm: contracts the last dim of the left with the second-last of the right."""
     _materialize_all(a, node)
-    left, right = node.args[0], node.args[1]
+    return _product(a, node, node.args[0], node.args[1])
+
+
+def add_product(a, node: fx.Node) -> Layout:
+    """addmm / baddbmm (GPT-2's Conv1D): ``beta * input + alpha * (left @ right)`` with a replicated input."""
+    _materialize_all(a, node)
+    bias, left, right = node.args[:3]
+    if a.layout(bias) != REPLICATE:
+        return a.refuse(node, "adds a product to a value that holds sequence data", "Add the bias separately")
+    return _product(a, node, left, right)
+
+
+def _product(a, node: fx.Node, left: fx.Node, right: fx.Node) -> Layout:
     lay_l, lay_r = a.layout(left), a.layout(right)
     rank_l, rank_r, rank = ndim(left), ndim(right), ndim(node)
     contracted = (
