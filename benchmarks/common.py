@@ -5,7 +5,7 @@ loss with its autograd graph, ``backward(loss)`` runs backward (and whatever gra
 the method needs). Nothing here knows about sequence parallelism.
 
 Private torch APIs the benchmarks rely on (the profiler's event tree, AOTAutograd's partitioner log
-and ``solve_min_cut``) are touched in this module only.
+and ``solve_min_cut``, c10d's registry of process groups) are touched in this module only.
 """
 
 from __future__ import annotations
@@ -541,6 +541,33 @@ def solve_min_cut_as(solver: Callable) -> Iterator[None]:
         yield
     finally:
         partitioners.solve_min_cut = original
+
+
+@contextlib.contextmanager
+def registered_process_group(names: Iterable[str], group: Any) -> Iterator[None]:
+    """``group`` (a ``torch.distributed.ProcessGroup``, e.g. a Python subclass answering collectives
+    in-process) under each of ``names`` in c10d's registry, where functional collectives
+    (``torch.ops._c10d_functional``) look their group up, for the block."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    names = list(names)
+    for name in names:
+        _register_process_group(name, group)
+    try:
+        yield
+    finally:
+        for name in names:
+            _unregister_process_group(name)
+
+
+def completed_work(result: Any) -> Any:
+    """A finished ``Work`` holding ``result``: what a Python process group's collective returns."""
+    import torch
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    future = torch.futures.Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
 
 
 def disable_compile_caches() -> None:

@@ -30,10 +30,12 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import lightning_autosp.compiler.ops as ops
+from benchmarks.common import completed_work, registered_process_group
 from lightning_autosp.callbacks import _storage_bytes
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.sp_pass import SPContext
@@ -41,6 +43,7 @@ from lightning_autosp.data import shard_batch
 from lightning_autosp.planner import Setup, model_shape, saved_activations, step_memory
 
 MiB = 2**20
+LOCAL_GROUP = "local"
 
 
 class LocalCollectives:
@@ -61,9 +64,33 @@ class LocalCollectives:
         pass
 
 
+class LocalGroup(dist.ProcessGroup):
+    """The same for functional collectives, which find their group in c10d's registry."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.local = LocalCollectives()
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self.local.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+        return completed_work(output)
+
+    def allreduce(self, tensors, opts=None):
+        return completed_work(tensors)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for output, tensor in zip(outputs, inputs):
+            output.view(-1, *tensor.shape).copy_(tensor)
+        return completed_work(outputs)
+
+
 @contextlib.contextmanager
 def local_collectives() -> Iterator[None]:
-    with mock.patch.object(ops, "dist", LocalCollectives()), mock.patch.object(ops, "_group", lambda n: None):
+    with (
+        mock.patch.object(ops, "dist", LocalCollectives()),
+        mock.patch.object(ops, "_group", lambda n: None),
+        registered_process_group([LOCAL_GROUP], LocalGroup()),
+    ):
         yield
 
 
@@ -146,7 +173,7 @@ def measure(
     )
     if setup.sp_size > 1:
         batch, shard = shard_batch({"input_ids": ids}, world=setup.sp_size, rank=rank)
-        context = SPContext(shard, "local")
+        context = SPContext(shard, LOCAL_GROUP)
     else:
         batch, context = {"input_ids": ids}, None
     autocast = (

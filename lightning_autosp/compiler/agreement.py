@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import fx
 
 from lightning_autosp.compiler.fx_utils import example_value
-from lightning_autosp.compiler.ops import is_collective, process_group
+from lightning_autosp.compiler.ops import collective_name, is_collective, process_group
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ def graph_signature(gm: fx.GraphModule, rewrites: list[str], groups: dict[str, s
             if value is not None:
                 operands.append(f"{value.dtype}[{value.dim()}]")
             elif isinstance(arg, str):
-                operands.append(groups.get(arg, arg))  # the group
-        lines.append(f"{node.target}({', '.join(operands)})")
+                operands.append(groups.get(arg, arg))  # the group, by role
+        lines.append(f"{collective_name(node.target)}({', '.join(operands)})")
     # Node names are the same on every rank (one trace structure); lengths in them are not.
     lines += [re.sub(r"\d+", "#", line) for line in rewrites]
     return tuple(lines)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
+from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import (
     FlashMatch,
@@ -48,8 +48,8 @@ SDPA_SIGNATURE = inspect.signature(
         None
     )
 )
-_SEQ_TO_HEAD = torch.ops.autosp.seq_to_head.default
-_HEAD_TO_SEQ = torch.ops.autosp.head_to_seq.default
+_SEQ_TO_HEAD = ops.seq_to_head
+_HEAD_TO_SEQ = ops.head_to_seq
 
 
 def heads_error(shard: SequenceShard, heads: int, name: str) -> str:

@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
+from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, example_value, meta_value, op_name, redirect_uses
 from lightning_autosp.compiler.layout import PARTIAL
 from lightning_autosp.compiler.rules.common import normalize_dims
 
-_ALL_REDUCE = torch.ops.autosp.all_reduce_sum.default
+_ALL_REDUCE = ops.all_reduce_sum
 _EXTREMUM = torch.ops.autosp.all_reduce_extremum.default
 _SIGNATURES = {"cross_entropy": inspect.signature(F.cross_entropy), "nll_loss": inspect.signature(F.nll_loss)}
 

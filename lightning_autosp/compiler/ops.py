@@ -1,34 +1,63 @@
-"""Collectives the SP pass inserts, as ``torch.library`` custom ops.
+"""Collectives the SP pass inserts.
 
-Each op has an eager implementation (plain ``torch.distributed`` calls on the group named by
-``group_name``), a fake implementation so Dynamo, AOTAutograd and Inductor can trace shapes, and a
-registered autograd formula, so gradients flow through the collective under ``torch.compile``
-(a hand-written ``autograd.Function`` around an out-argument collective silently produced zero
-gradients in DeepSpeed PR 8491; these ops are checked with ``torch.library.opcheck``).
+The all-to-alls around attention and the all-reduce of the loss (the volume) are plain Python functions
+built from PyTorch's functional collectives (``torch.ops._c10d_functional``): the pass inserts a call to
+them in the Dynamo graph, AOTAutograd traces through them, and Inductor sees real collectives
+(``all_to_all_single`` / ``all_reduce`` + ``wait_tensor``) with the copies around them as ordinary ops it
+can fuse and free (Note [Functional collectives]). Their gradients are the functional collectives'
+registered autograd formulas: the reverse all-to-all, the sum of the ranks' gradients.
+
+The rarer collectives (the halo of a shifted slice, token data gathered for a mask, maxima over the
+sequence) stay ``torch.library`` custom ops: an eager implementation (``torch.distributed`` calls on the
+group named by ``group_name``), a fake implementation so Dynamo, AOTAutograd and Inductor can trace
+shapes, and a registered autograd formula (a hand-written ``autograd.Function`` around an out-argument
+collective silently produced zero gradients in DeepSpeed PR 8491; these ops are checked with
+``torch.library.opcheck``).
 
 Shape letters: B batch, H heads, S global sequence, S_r rank r's shard, D head dim, P sp ranks.
 Sequence shards may be uneven (``seq_lens`` lists every rank's shard length, in rank order).
 
-Only this module touches private ``torch.distributed`` API (``_resolve_process_group``), so a torch
-upgrade changes one file.
+Only this module touches private ``torch.distributed`` API (``_resolve_process_group``, the
+``_c10d_functional`` ops), so a torch upgrade changes one file.
+
+Note [Functional collectives]
+    An opaque custom op that runs a collective eagerly hides everything inside it from Inductor: the
+    send and receive buffers, the copies into and out of them, and when the collective may start. As
+    functional collectives, the all-to-all's permutes and concatenations are Inductor kernels (fused
+    with their neighbours where possible), its buffers are freed at their last use, and the launch is a
+    node the scheduler places (``ordering.py`` keeps the launches of every rank in one order). In
+    eager runs (``aot_eager``, a rewritten graph run as is) each collective is waited on right away.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401  (registers the autograd of _c10d_functional)
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 _COLLECTIVE_NAMESPACES = ("autosp", "_c10d_functional", "c10d_functional")
+_functional = torch.ops._c10d_functional
 
 
 def is_collective(node: object, *, waits: bool = True) -> bool:
-    """Whether an ATen-level graph node talks to other ranks: our ops (their namespace is ``autosp``) and
-    functional collectives; ``waits=False`` leaves out ``wait_tensor``, which only waits for one."""
-    packet = getattr(getattr(node, "target", None), "_overloadpacket", None)
+    """Whether a graph node talks to other ranks: on the Dynamo graph the collective functions below; on
+    ATen graphs our custom ops (namespace ``autosp``) and functional collectives. ``waits=False`` leaves
+    out ``wait_tensor``, which only waits for one."""
+    target = getattr(node, "target", None)
+    if callable(target) and target in COLLECTIVE_FUNCTIONS:
+        return True
+    packet = getattr(target, "_overloadpacket", None)
     namespace, _, name = getattr(packet, "_qualified_op_name", "").partition("::")
     return namespace in _COLLECTIVE_NAMESPACES and (waits or not name.startswith("wait"))
+
+
+def collective_name(target: object) -> str:
+    """A name for a collective node's target that is the same in every process (no addresses)."""
+    if target in COLLECTIVE_FUNCTIONS:
+        return f"{__name__}.{target.__name__}"
+    return str(target)
 
 
 def process_group(group_name: str) -> dist.ProcessGroup | None:
@@ -78,7 +107,12 @@ def _head_to_seq_shape(
     return out
 
 
-@torch.library.custom_op("autosp::seq_to_head", mutates_args=())
+def _all_to_all(flat: Tensor, output_splits: list[int], input_splits: list[int], group_name: str) -> Tensor:
+    """``all_to_all_single`` of a 1-d tensor, waited on; its gradient is the all-to-all back."""
+    sent = _functional.all_to_all_single(flat, output_splits, input_splits, group_name)
+    return _functional.wait_tensor(sent)
+
+
 def seq_to_head(
     x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str
 ) -> Tensor:
@@ -90,25 +124,17 @@ def seq_to_head(
     world = len(seq_lens)
     front = _to_front(x, head_dim, seq_dim).contiguous()  # [H, S_r, R]
     heads, rest = front.shape[0] // world, front.shape[2]
-    received = front.new_empty(heads * sum(seq_lens) * rest)
-    dist.all_to_all_single(
-        received,
+    received = _all_to_all(
         front.reshape(-1),
-        output_split_sizes=[heads * s * rest for s in seq_lens],
-        input_split_sizes=[heads * seq_lens[rank] * rest] * world,
-        group=_group(group_name),
+        [heads * s * rest for s in seq_lens],
+        [heads * seq_lens[rank] * rest] * world,
+        group_name,
     )
     pieces = received.split([heads * s * rest for s in seq_lens])
     gathered = torch.cat([p.view(heads, s, rest) for p, s in zip(pieces, seq_lens)], dim=1)  # [H/P, S, R]
     return _from_front(gathered, list(x.shape), head_dim, seq_dim).contiguous()
 
 
-@seq_to_head.register_fake
-def _(x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str) -> Tensor:
-    return x.new_empty(_seq_to_head_shape(list(x.shape), head_dim, seq_dim, seq_lens))
-
-
-@torch.library.custom_op("autosp::head_to_seq", mutates_args=())
 def head_to_seq(
     x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str
 ) -> Tensor:
@@ -117,67 +143,26 @@ def head_to_seq(
     front = _to_front(x, head_dim, seq_dim)  # [H/P, S, R]
     heads, rest = front.shape[0], front.shape[2]
     send = torch.cat([chunk.reshape(-1) for chunk in front.split(seq_lens, dim=1)])
-    received = front.new_empty(world * heads * seq_lens[rank] * rest)
-    dist.all_to_all_single(
-        received,
+    received = _all_to_all(
         send,
-        output_split_sizes=[heads * seq_lens[rank] * rest] * world,
-        input_split_sizes=[heads * s * rest for s in seq_lens],
-        group=_group(group_name),
+        [heads * seq_lens[rank] * rest] * world,
+        [heads * s * rest for s in seq_lens],
+        group_name,
     )
     local = received.view(world * heads, seq_lens[rank], rest)  # [H, S_r, R], head groups in rank order
     return _from_front(local, list(x.shape), head_dim, seq_dim).contiguous()
 
 
-@head_to_seq.register_fake
-def _(x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str) -> Tensor:
-    return x.new_empty(_head_to_seq_shape(list(x.shape), head_dim, seq_dim, seq_lens, rank))
-
-
-def _a2a_setup_context(ctx, inputs, output) -> None:
-    _, ctx.head_dim, ctx.seq_dim, ctx.seq_lens, ctx.rank, ctx.group_name = inputs
-
-
-def _seq_to_head_backward(ctx, grad: Tensor):
-    args = (ctx.head_dim, ctx.seq_dim, ctx.seq_lens, ctx.rank, ctx.group_name)
-    return head_to_seq(grad, *args), None, None, None, None, None
-
-
-def _head_to_seq_backward(ctx, grad: Tensor):
-    args = (ctx.head_dim, ctx.seq_dim, ctx.seq_lens, ctx.rank, ctx.group_name)
-    return seq_to_head(grad, *args), None, None, None, None, None
-
-
-seq_to_head.register_autograd(_seq_to_head_backward, setup_context=_a2a_setup_context)
-head_to_seq.register_autograd(_head_to_seq_backward, setup_context=_a2a_setup_context)
-
-
-@torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
 def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
-    """Sum over the sp group; every rank gets the total.
+    """Sum over the sp group; every rank gets the total (out of place).
 
     Its gradient is the sum of the ranks' gradients: each rank uses the total as its loss, so each
     rank's partial sum feeds every rank's objective (Note [Loss over sequence shards] in sp_pass.py).
     """
-    total = x.clone()
-    dist.all_reduce(total, group=_group(group_name))
-    return total
+    return _functional.wait_tensor(_functional.all_reduce(x, "sum", group_name))
 
 
-@all_reduce_sum.register_fake
-def _(x: Tensor, group_name: str) -> Tensor:
-    return torch.empty_like(x)
-
-
-def _all_reduce_setup_context(ctx, inputs, output) -> None:
-    ctx.group_name = inputs[1]
-
-
-def _all_reduce_backward(ctx, grad: Tensor):
-    return all_reduce_sum(grad, ctx.group_name), None
-
-
-all_reduce_sum.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup_context)
+COLLECTIVE_FUNCTIONS = frozenset({seq_to_head, head_to_seq, all_reduce_sum})
 
 
 @torch.library.custom_op("autosp::shift_from_next", mutates_args=())

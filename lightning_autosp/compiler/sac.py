@@ -420,7 +420,9 @@ def summarize_partition(
     recomputed = [n for n in recomputed if n.target is not operator.getitem]
     forward_flops = sum(node_flops(n) for n in forward.graph.nodes if n.op == "call_function")
     recomputed_flops = sum(node_flops(n) for n in recomputed)
-    collectives = sum(1 for n in backward.graph.nodes if n.op == "call_function" and is_collective(n))
+    collectives = sum(
+        1 for n in backward.graph.nodes if n.op == "call_function" and is_collective(n, waits=False)
+    )
     gathers = sum(1 for n in backward.graph.nodes if n.op == "call_function" and _is_parameter_all_gather(n))
     return SACReport(
         mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, collectives, reason, gathers

@@ -15,12 +15,14 @@ from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import lightning_autosp.compiler.ops as ops
 import lightning_autosp.compiler.ring as ring
+from benchmarks.common import completed_work, registered_process_group
 from lightning_autosp.compiler.layout import REPLICATE, SequenceTags, Tag
 from lightning_autosp.compiler.layout import shard as layout_shard
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
@@ -28,9 +30,9 @@ from lightning_autosp.data import SequenceShard, shard_batch
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
 
 GROUP = "fake_group"
-SEQ_TO_HEAD = torch.ops.autosp.seq_to_head.default
-HEAD_TO_SEQ = torch.ops.autosp.head_to_seq.default
-ALL_REDUCE_SUM = torch.ops.autosp.all_reduce_sum.default
+SEQ_TO_HEAD = ops.seq_to_head
+HEAD_TO_SEQ = ops.head_to_seq
+ALL_REDUCE_SUM = ops.all_reduce_sum
 SHIFT_FROM_NEXT = torch.ops.autosp.shift_from_next.default
 
 # kind -> (factory, q heads, head dim)
@@ -201,8 +203,13 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 class ThreadedComm:
-    """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.ops``: each rank is a thread,
-    and a collective exchanges the ranks' tensors through shared slots between two barriers."""
+    """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.ops`` and ``ring``: each rank
+    is a thread, and a collective exchanges the ranks' tensors through shared slots between two barriers.
+
+    The functional collectives (``torch.ops._c10d_functional``) resolve their group by name in c10d's
+    registry, below Python; there ``ThreadedGroup`` is registered under the test's group names and hands
+    their calls to the same exchange (``run_ranks``).
+    """
 
     def __init__(self, world: int, timeout: float = 240.0) -> None:
         self.world = world
@@ -226,7 +233,8 @@ class ThreadedComm:
         return everyone
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group=None) -> None:
-        everyone = self._exchange("all_to_all_single", input.split(input_split_sizes))
+        # Copies: a rank reads its pieces after the exchange, when their sender may have reused its buffer.
+        everyone = self._exchange("all_to_all_single", [p.clone() for p in input.split(input_split_sizes)])
         received = [everyone[source][self.rank] for source in range(self.world)]
         assert [r.numel() for r in received] == list(output_split_sizes), "split sizes disagree"
         output.copy_(torch.cat(received))
@@ -256,6 +264,38 @@ class ThreadedComm:
             return self.mailboxes.setdefault((source, destination, tag), queue.Queue())
 
 
+class ThreadedGroup(dist.ProcessGroup):
+    """A c10d process group whose collectives run through a ``ThreadedComm`` (the calling thread is the
+    rank), so that functional collectives, eager or compiled, reach the simulated ranks."""
+
+    def __init__(self, comm: ThreadedComm) -> None:
+        super().__init__(0, comm.world)
+        self.comm = comm
+
+    def size(self) -> int:
+        return self.comm.world
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self.comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+        return completed_work(output)
+
+    def allreduce(self, tensors, opts=None):
+        (tensor,) = tensors
+        assert opts is None or opts.reduceOp == dist.ReduceOp.SUM, "only sums are simulated"
+        self.comm.all_reduce(tensor)
+        return completed_work(tensors)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for output, tensor in zip(outputs, inputs):
+            self.comm.all_gather(list(output.chunk(self.comm.world)), tensor)
+        return completed_work(outputs)
+
+
+def registered_groups(comm: ThreadedComm, names: Sequence[str]) -> contextlib.AbstractContextManager:
+    """``ThreadedGroup(comm)`` under each of ``names`` in c10d's registry of groups, for the block."""
+    return registered_process_group(names, ThreadedGroup(comm))
+
+
 @dataclass
 class _Done:
     """A point-to-point request: ``wait()`` completes it (the receive blocks until the send arrived)."""
@@ -266,8 +306,14 @@ class _Done:
         self.finish()
 
 
-def run_ranks(world: int, fn: Callable[[int], Any]) -> tuple[list[Any], ThreadedComm]:
-    """``fn(rank)`` on ``world`` threads with the autosp ops talking through a ``ThreadedComm``."""
+SIMULATED_GROUPS = (GROUP, "sim")
+
+
+def run_ranks(
+    world: int, fn: Callable[[int], Any], groups: Sequence[str] = SIMULATED_GROUPS
+) -> tuple[list[Any], ThreadedComm]:
+    """``fn(rank)`` on ``world`` threads with the collectives talking through a ``ThreadedComm``: the
+    custom ops' ``torch.distributed`` calls, and functional collectives on the groups named ``groups``."""
     comm = ThreadedComm(world)
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
@@ -284,6 +330,7 @@ def run_ranks(world: int, fn: Callable[[int], Any]) -> tuple[list[Any], Threaded
         mock.patch.object(ops, "dist", comm),
         mock.patch.object(ring, "dist", comm),
         mock.patch.object(ops, "_group", lambda name: None),
+        registered_groups(comm, groups),
     ):
         threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(world)]
         for thread in threads:
@@ -363,14 +410,16 @@ def simulate_compiled_step(
 
     step = lambda local: lightning_module.training_step(local, 0)  # noqa: E731
     compiled = []
-    for rank in range(world):
-        tags = SequenceTags()
-        local, sequence_shard = shard(batch, world, rank, tags)
-        captured = capture(step, local)
-        context = SPContext(sequence_shard, GROUP)
-        backend = AutoSPBackend(context, tags=tags, compiler=compiler, **backend_kwargs)
-        inputs = concrete(captured.example_inputs)
-        compiled.append((backend(captured.gm, inputs), inputs, backend))
+    # Inductor looks the groups of functional collectives up while it compiles (for its debug repro).
+    with registered_groups(ThreadedComm(world), SIMULATED_GROUPS):
+        for rank in range(world):
+            tags = SequenceTags()
+            local, sequence_shard = shard(batch, world, rank, tags)
+            captured = capture(step, local)
+            context = SPContext(sequence_shard, GROUP)
+            backend = AutoSPBackend(context, tags=tags, compiler=compiler, **backend_kwargs)
+            inputs = concrete(captured.example_inputs)
+            compiled.append((backend(captured.gm, inputs), inputs, backend))
     params = dict(lightning_module.named_parameters())
 
     def rank_fn(rank: int):

@@ -1,4 +1,5 @@
-"""The autosp custom ops on a real one-process gloo group: registration (opcheck), values, gradients."""
+"""The collectives on a real one-process gloo group: the custom ops' registration (opcheck), values and
+gradients of every collective, and what the functional ones trace to."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from lightning_autosp.compiler import ops as collectives
 from lightning_autosp.compiler.ops import (
     _from_front,
     _head_to_seq_shape,
     _seq_to_head_shape,
     _to_front,
+    is_collective,
 )
 
 ops = torch.ops.autosp
@@ -24,17 +28,40 @@ def _x(shape=(2, 4, 6, 3)) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("op", ["seq_to_head", "head_to_seq"])
-def test_opcheck_all_to_all(gloo_group: str, op: str, layout: str) -> None:
+@pytest.mark.parametrize("name", ["seq_to_head", "head_to_seq"])
+def test_all_to_alls_are_functional_collectives_with_their_gradient(
+    gloo_group: str, name: str, layout: str
+) -> None:
+    """Traced, an all-to-all is ``_c10d_functional.all_to_all_single`` + ``wait_tensor`` (what Inductor
+    schedules; Note [Functional collectives]), forward and backward; its gradient is exact."""
     head_dim, seq_dim = LAYOUTS[layout]
     x = _x()
-    seq_len = x.shape[seq_dim]
-    torch.library.opcheck(getattr(ops, op), (x, head_dim, seq_dim, [seq_len], 0, gloo_group))
+    args = (head_dim, seq_dim, [x.shape[seq_dim]], 0, gloo_group)
+    fn = getattr(collectives, name)
+    assert torch.autograd.gradcheck(lambda t: fn(t, *args), (x,))
+
+    def step(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = fn(t, *args)
+        return out, *torch.autograd.grad(out.square().sum(), t)
+
+    graph = make_fx(step)(x).graph
+    ops_called = [str(n.target) for n in graph.nodes if is_collective(n)]
+    assert (
+        ops_called
+        == [
+            "_c10d_functional.all_to_all_single.default",
+            "_c10d_functional.wait_tensor.default",
+        ]
+        * 2
+    )
 
 
-def test_opcheck_all_reduce_sum(gloo_group: str) -> None:
-    torch.library.opcheck(ops.all_reduce_sum, (_x(), gloo_group))
-    torch.library.opcheck(ops.all_reduce_sum, (torch.tensor(3.0, requires_grad=True), gloo_group))
+def test_all_reduce_sum_is_a_functional_collective(gloo_group: str) -> None:
+    graph = make_fx(lambda t: collectives.all_reduce_sum(t, gloo_group))(_x()).graph
+    assert [str(n.target) for n in graph.nodes if is_collective(n)] == [
+        "_c10d_functional.all_reduce.default",
+        "_c10d_functional.wait_tensor.default",
+    ]
 
 
 @pytest.mark.parametrize("shift", [1, 2])
@@ -52,9 +79,9 @@ def test_round_trip_is_identity_and_gradients_flow(gloo_group: str, layout: str)
     head_dim, seq_dim = LAYOUTS[layout]
     x = _x()
     args = (head_dim, seq_dim, [x.shape[seq_dim]], 0, gloo_group)
-    heads = ops.seq_to_head(x, *args)
+    heads = collectives.seq_to_head(x, *args)
     assert torch.equal(heads, x)  # one rank holds every head and every token
-    back = ops.head_to_seq(heads, *args)
+    back = collectives.head_to_seq(heads, *args)
     assert torch.equal(back, x)
     back.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
@@ -62,7 +89,7 @@ def test_round_trip_is_identity_and_gradients_flow(gloo_group: str, layout: str)
 
 def test_all_reduce_sum_single_rank(gloo_group: str) -> None:
     x = _x((5,))
-    total = ops.all_reduce_sum(x, gloo_group)
+    total = collectives.all_reduce_sum(x, gloo_group)
     assert torch.equal(total, x) and total.data_ptr() != x.data_ptr()  # out of place
     (3 * total).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
@@ -82,15 +109,16 @@ def test_fake_shapes_for_several_ranks() -> None:
     """The fake kernels never touch the group, so shapes for any world size can be checked here."""
     with FakeTensorMode():
         x = torch.empty(2, 6, 5, 3)  # [B, H, S_1, D] on rank 1 of seq_lens [6, 5, 5]
-        heads = ops.seq_to_head(x, 1, 2, [6, 5, 5], 1, "no_group")
+        heads = collectives.seq_to_head(x, 1, 2, [6, 5, 5], 1, "no_group")
         assert tuple(heads.shape) == (2, 2, 16, 3)
-        assert tuple(ops.head_to_seq(heads, 1, 2, [6, 5, 5], 1, "no_group").shape) == (2, 6, 5, 3)
+        back = collectives.head_to_seq(heads, 1, 2, [6, 5, 5], 1, "no_group")
+        assert tuple(back.shape) == (2, 6, 5, 3)
         # x[:, :, 1:] plus one token of the next rank, except on the last rank
         assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 1, 3, "no_group").shape) == (2, 6, 5, 3)
         assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 2, 3, "no_group").shape) == (2, 6, 4, 3)
         grad = torch.empty(2, 6, 5, 3)
         assert tuple(ops.shift_from_next_backward(grad, 2, 5, 1, 4, 1, 1, 1, 3, "g").shape) == (2, 6, 5, 3)
-        assert tuple(ops.all_reduce_sum(torch.empty(()), "no_group").shape) == ()
+        assert tuple(collectives.all_reduce_sum(torch.empty(()), "no_group").shape) == ()
 
 
 def test_shape_helpers() -> None:

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from benchmarks.common import allocator_peak
 from lightning_autosp.compiler.backend import AutoSPBackend
+from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.sac import (
     SequenceAwarePartitioner,
     forward_nodes,
@@ -138,8 +139,10 @@ def test_single_rank_sequence_parallel_step_matches_eager(gloo_group: str) -> No
     _assert_same(_step(module, backend, ids), _step(module, None, ids), rtol=1e-5)
     assert backend.attention_count == 2
     (joint,) = backend.partitioner.joints
-    collectives = [n for n in forward_nodes(joint) if str(n.target).startswith("autosp.")]
-    assert len(collectives) == 4 * 2 + 1  # all-to-alls, plus the loss's sum and count
+    collectives = [n for n in forward_nodes(joint) if is_collective(n)]
+    launches = [n for n in collectives if is_collective(n, waits=False)]
+    assert len(launches) == 4 * 2 + 1  # all-to-alls, plus the loss's sum and count
+    assert len(collectives) == 2 * len(launches)  # each functional collective and its wait
     tags = _tagged(joint)
     assert all(tags[n] is CheckpointPolicy.MUST_SAVE for n in collectives)
 
@@ -151,7 +154,7 @@ def test_recompute_policy() -> None:
     mm = graph.call_function(torch.ops.aten.mm.default, (x, x))
     dropout = graph.call_function(torch.ops.aten.native_dropout.default, (mm, 0.1, True))
     mask = graph.call_function(operator.getitem, (dropout, 1))
-    a2a = graph.call_function(torch.ops.autosp.all_reduce_sum.default, (mm, "g"))
+    a2a = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (mm, "sum", "g"))
     backward = graph.call_function(torch.ops.aten.mul.Tensor, (tangent, mask))
     graph.output((a2a, backward))
     joint = fx.GraphModule(torch.nn.Module(), graph)
