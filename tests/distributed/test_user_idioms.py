@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_parity import PARITY_HANG_GUARD_S, assert_parity, launch
+from tests.distributed.test_parity import assert_parity, launch
 
 pytestmark = pytest.mark.distributed
+# A hang guard, several times the launch on 2 busy cores (about a minute idle).
+IDIOMS_HANG_GUARD_S = 1200
 
 EXACT = [
     "idiom_learned_table",  # Inductor + SAC, 25 tokens (13 + 12)
@@ -31,16 +33,16 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, dict]:
-    return launch(2, [*EXACT, *REFUSED], tmp_path_factory.mktemp("idioms"), PARITY_HANG_GUARD_S)
+    return launch(2, [*EXACT, *REFUSED], tmp_path_factory.mktemp("idioms"), IDIOMS_HANG_GUARD_S)
 
 
-@pytest.mark.timeout(PARITY_HANG_GUARD_S + 60)
+@pytest.mark.timeout(IDIOMS_HANG_GUARD_S + 60)
 @pytest.mark.parametrize("case", EXACT)
 def test_idiom_is_exact_on_every_rank(results, case):
     assert_parity(results, case)
 
 
-@pytest.mark.timeout(PARITY_HANG_GUARD_S + 60)
+@pytest.mark.timeout(IDIOMS_HANG_GUARD_S + 60)
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_idiom_is_refused_on_every_rank_alike(results, case):
     errors = {rank: per_case[case].get("error", "") for rank, per_case in results.items()}

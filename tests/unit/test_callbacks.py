@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -195,7 +195,7 @@ def _fake_trainer(world_size: int, **strategy_attrs: object) -> SimpleNamespace:
         strategy=strategy,
         precision_plugin=Precision(),
         enable_validation=False,
-        state=SimpleNamespace(stage=RunningStage.TRAINING),
+        state=SimpleNamespace(stage=RunningStage.TRAINING, fn=TrainerFn.FITTING),
     )
 
 
@@ -207,6 +207,7 @@ def test_throughput_counts_each_sequence_once() -> None:
     monitor.setup(trainer, None, "fit")
     assert monitor.data_parallel_size(trainer) == 2  # Throughput's world: Lightning's would be 8
     assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (3, 3 * 128)
+    monitor._start(trainer)  # sp_size may be "auto" until the strategy's setup: scaled at the first batch
     assert monitor.available_flops == 4 * 1e12  # an sp group's 4 devices: MFU is their mean
     # No sequence_shard (plain data parallelism): the batch's own sequence length, every rank its own.
     trainer = _fake_trainer(8)
