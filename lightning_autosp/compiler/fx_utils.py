@@ -143,3 +143,14 @@ def source_line(node: fx.Node) -> str:
 
 def users_of(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     return {user for node in nodes for user in node.users}
+
+
+def index_items(index: object, rank: int) -> list:
+    """A getitem index as a list of items with its ``...`` spelled out as the full slices it stands for
+    over a value of ``rank`` dims (``None`` items add dims and take none)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        position = items.index(Ellipsis)
+        explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
+        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    return items

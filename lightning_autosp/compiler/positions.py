@@ -20,7 +20,7 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import call, meta_value, set_fake_value
+from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, set_fake_value
 from lightning_autosp.compiler.recompute import take_positions
 
 
@@ -76,13 +76,7 @@ def _table_dim(node: fx.Node) -> tuple[int, tuple | None]:
     if node.target is not operator.getitem:  # narrow(table, dim, 0, T)
         dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
         return dim % meta_value(node.args[0]).dim(), None
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    items = list(index)
-    rank = meta_value(node.args[0]).dim()
-    if Ellipsis in items:
-        position = items.index(Ellipsis)
-        explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
-        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    items = index_items(node.args[1], meta_value(node.args[0]).dim())
     dim = 0
     for position, item in enumerate(items):
         if item is None:

@@ -27,7 +27,7 @@ from torch import fx
 from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import call, meta_value, op_name
+from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, op_name
 from lightning_autosp.compiler.ring import fetch_plan
 from lightning_autosp.data import SequenceShard
 
@@ -75,11 +75,7 @@ def _touches(node: fx.Node, args: tuple, kwargs: dict, dim: int) -> bool:
 
 
 def _index_item(index: object, rank: int, dim: int) -> object:
-    items = list(index) if isinstance(index, tuple) else [index]
-    if Ellipsis in items:
-        position = items.index(Ellipsis)
-        explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
-        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    items = index_items(index, rank)
     in_dim = 0
     for item in items:
         if item is None:
@@ -175,11 +171,7 @@ def _slice_by_positions(
 
 
 def _replace_item(index: object, rank: int, dim: int) -> tuple:
-    items = list(index) if isinstance(index, tuple) else [index]
-    if Ellipsis in items:
-        position = items.index(Ellipsis)
-        explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
-        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    items = index_items(index, rank)
     in_dim = 0
     for position, item in enumerate(items):
         if item is None:

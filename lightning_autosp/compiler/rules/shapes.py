@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler import symbols
-from lightning_autosp.compiler.fx_utils import flatten, meta_value
+from lightning_autosp.compiler.fx_utils import flatten, index_items, meta_value
 from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, tensor_nodes
 
@@ -161,12 +161,8 @@ def getitem(a, node: fx.Node) -> object:
         return layouts[index] if isinstance(index, int) and index < len(layouts) else REPLICATE
     if not isinstance(meta_value(source), torch.Tensor):
         return REPLICATE
-    items = list(index) if isinstance(index, tuple) else [index]
     rank = ndim(source)
-    explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
-    if Ellipsis in items:
-        position = items.index(Ellipsis)
-        items[position : position + 1] = [slice(None)] * (rank - explicit)
+    items = index_items(index, rank)
     items += [slice(None)] * (rank - sum(1 for item in items if item is not None))
     tensor_items = [
         item for item in items if isinstance(item, fx.Node) and isinstance(meta_value(item), torch.Tensor)
