@@ -68,7 +68,8 @@ def run_config(name: str, extra: list[str], out_dir: Path) -> dict:
     if "cuda" in args and ranks > gpus:
         return {"skipped": f"needs {ranks} GPUs, {gpus} found"}
     out = out_dir / f"{name}.json"
-    command = [sys.executable, "-m", "benchmarks.run", *args, "--out", str(out)]
+    shown = out.relative_to(ROOT) if out.is_absolute() and out.is_relative_to(ROOT) else out
+    command = [sys.executable, "-m", "benchmarks.run", *args, "--out", str(shown)]
     print(f"== {name}: {shlex.join(command[1:])}", flush=True)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT)
