@@ -66,6 +66,7 @@ class RunContext:
     device: torch.device
     compiler: str = "inductor"  # "inductor" or "aot_eager" (smoke runs); DeepSpeed always uses Inductor
     dtype: torch.dtype = torch.float32
+    autocast: torch.dtype | None = None  # bf16-mixed: fp32 parameters, every forward under autocast
 
 
 @dataclass
@@ -78,6 +79,18 @@ class Prepared:
         loss = self.forward()
         self.backward(loss)
         return loss
+
+    def under_autocast(self, device: torch.device, dtype: torch.dtype | None) -> Prepared:
+        """This step with its forward under ``torch.autocast(dtype)`` (mixed precision); as is for None."""
+        if dtype is None:
+            return self
+        forward = self.forward
+
+        def autocast_forward() -> Tensor:
+            with torch.autocast(device.type, dtype=dtype):
+                return forward()
+
+        return Prepared(autocast_forward, self.backward, self.reported_loss)
 
 
 def sync_grads(model: nn.Module, group: Any, world: int, op: str) -> None:
@@ -337,9 +350,10 @@ class Reference:
         self.model = build(self.spec).to(self.device, self.dtype)
         self.loss = full_sequence_loss(self.spec, self.model)
 
-    def run(self, ids: Tensor) -> tuple[float, dict[str, Tensor]]:
+    def run(self, ids: Tensor, autocast: torch.dtype | None = None) -> tuple[float, dict[str, Tensor]]:
         self.model.zero_grad(set_to_none=True)
-        loss = self.loss({"input_ids": ids})
+        with torch.autocast(self.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = self.loss({"input_ids": ids})
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
         self.model.zero_grad(set_to_none=True)

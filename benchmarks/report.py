@@ -72,9 +72,10 @@ def summarize(model_name: str, method: str, per_rank: list[dict], report: dict) 
     if "timing" in first:
         summary["median_step_s"] = _max([r["timing"]["median_step_s"] for r in per_rank])
         summary["min_step_s"] = _max([r["timing"]["min_step_s"] for r in per_rank])
-        paired = f"paired_ratio_vs_{REFERENCE_METHOD}"
-        if paired in first["timing"]:
-            summary["paired_ratio_vs_ulysses"] = _max([r["timing"][paired] for r in per_rank])
+        for reference in (REFERENCE_METHOD, "sp"):
+            paired = f"paired_ratio_vs_{reference}"
+            if paired in first["timing"]:
+                summary[paired] = _max([r["timing"][paired] for r in per_rank])
     if "saved" in first:
         summary["saved_bytes"] = _max([r["saved"]["saved_bytes"] for r in per_rank])
         summary["saved_hook_check_ok"] = all(r["saved"]["hook_check"]["ok"] for r in per_rank)
@@ -499,7 +500,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", action="store_true", help="print the README section instead")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     path = Path(args.suite) if args.suite.endswith(".json") else RESULTS / f"{args.suite}.json"
-    report = assemble(json.loads(path.read_text()), None)
+    report = json.loads(path.read_text())
+    if report.get("kind") == "trainability":  # benchmarks.trainability: several runs, its own tables
+        from benchmarks import trainability
+
+        if args.readme:
+            print(trainability.readme_section(report))
+        else:
+            trainability.write_outputs(report, path)
+            print(trainability.render_markdown(report))
+        return 0
+    report = assemble(report, None)
     if args.readme:
         print(readme_section(report))
         return 0

@@ -86,6 +86,25 @@ SUITES: dict[str, dict[str, Any]] = {
         "dtype": "float32",
         "device": "cpu",
     },
+    # benchmarks.trainability: 8-layer models, every method, the longest length within one budget
+    "trainability": {
+        "models": ["gpt-tiny", "llama-tiny"],
+        "layers": 8,
+        "methods": ["sac", "sp", "ulysses", "ddp", "deepspeed"],
+        "seq_lens": [1024, 2048],
+        "headline_len": 2048,
+        "parity_len": 1024,
+        "repeats": 5,
+        "budget_mib": 64.0,
+        "search": "budget",
+        "granularity": 256,
+        "search_steps": 3,
+        "nproc": 2,
+        "threads": 1,
+        "compiler": "inductor",
+        "dtype": "float32",
+        "device": "cpu",
+    },
     "smoke": {
         "models": ["gpt-smoke", "llama-smoke"],
         "methods": ["sac", "sp", "deepspeed", "ulysses", "ddp", "ring"],
@@ -121,6 +140,7 @@ SUITES: dict[str, dict[str, Any]] = {
 }
 DEFAULTS = {
     "layers": None,
+    "autocast": "none",
     "batch_size": 1,
     "profiled_steps": 2,
     "budget_mib": None,
@@ -132,6 +152,7 @@ DEFAULTS = {
     "nproc": None,
 }
 REFERENCE_METHOD = "ulysses"  # step-time ratios are against hand-written Ulysses
+PAIRED_REFERENCES = (REFERENCE_METHOD, "sp")  # per-round ratios are kept against these
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -152,7 +173,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--search-tolerance", type=float, help="stop when over/under <= 1 + this")
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--compiler", choices=("inductor", "aot_eager"))
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="of the parameters")
+    parser.add_argument("--autocast", choices=("none", "bfloat16"), help="bfloat16: bf16-mixed precision")
     parser.add_argument("--device", choices=("cpu", "cuda"))
     parser.add_argument("--nproc", type=int, help="ranks (default: 2 on CPU, every GPU on CUDA)")
     parser.add_argument("--threads", type=int, help="torch threads per rank")
@@ -204,7 +226,7 @@ def plan(args: argparse.Namespace) -> dict:
 def settings_of(args: argparse.Namespace) -> dict:
     keys = (
         "nproc methods seq_lens headline_len parity_len repeats profiled_steps budget_mib search granularity "
-        "search_steps search_tolerance batch_size compiler dtype device threads deadline_s layers"
+        "search_steps search_tolerance batch_size compiler dtype autocast device threads deadline_s layers"
     )
     return {key: getattr(args, key) for key in keys.split()}
 
@@ -237,6 +259,7 @@ class Worker:
             device=device,
             compiler=args.compiler,
             dtype=getattr(torch, args.dtype),
+            autocast=None if args.autocast == "none" else getattr(torch, args.autocast),
         )
         torch.set_num_threads(args.threads)
         disable_compile_caches()
@@ -296,6 +319,7 @@ class Worker:
         ``for_search``: the collectives are not recorded; the out-of-memory search runs one step only.
         """
         prepared = method.prepare(self.batch(method.spec, seq_len))
+        prepared = prepared.under_autocast(self.ctx.device, self.ctx.autocast)
         if self.cuda and for_search and self.args.search == "oom":
             # Does it fit? One step (compile included) under the CUDA allocator's peak counter is enough.
             start = time.perf_counter()
@@ -401,7 +425,7 @@ class Worker:
 
         ids = self.batch(spec, seq_len)
         reference = Reference(spec, self.ctx.device, self.ctx.dtype)
-        ref_loss, ref_grads = reference.run(ids)
+        ref_loss, ref_grads = reference.run(ids, self.ctx.autocast)
         del reference
         for name, step in prepared.items():
             model = live[name].model
@@ -438,11 +462,10 @@ class Worker:
                 "median_step_s": statistics.median(times[name]),
                 "min_step_s": min(times[name]),
             }
-            if REFERENCE_METHOD in times:
-                pairs = zip(times[name], times[REFERENCE_METHOD])
-                figures[f"paired_ratio_vs_{REFERENCE_METHOD}"] = statistics.median(
-                    t / ref for t, ref in pairs
-                )
+            for reference in PAIRED_REFERENCES:
+                if reference in times:
+                    pairs = zip(times[name], times[reference])
+                    figures[f"paired_ratio_vs_{reference}"] = statistics.median(t / ref for t, ref in pairs)
             out[name]["timing"] = figures
             live[name].model.zero_grad(set_to_none=True)
 

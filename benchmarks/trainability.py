@@ -1,0 +1,310 @@
+"""Trainability: the longest sequence each method trains within one per-rank memory budget, at depth.
+
+    python -m benchmarks.trainability                       # the CPU grid (CONFIGS), one launch each
+    python -m benchmarks.trainability --configs sp2-fp32    # some of it; other options go to benchmarks.run
+    python -m benchmarks.report trainability --readme       # the README table, from the JSON alone
+
+Each configuration is one side-by-side launch of ``benchmarks.run --suite trainability`` (8-layer tiny GPT
+and Llama; this project with and without SAC, hand-written Ulysses, DDP and DeepSpeed's AutoSP; every
+method on the same ranks, batch and per-rank budget), written to ``benchmarks/results/trainability/
+<config>.json`` / ``.md``. This module runs them in turn and writes ``trainability.json`` (all of them)
+and ``trainability.md`` (the tables and the issue's targets). Lengths are found by ``benchmarks.run``'s
+budget search on measured allocator peaks; step times are the median of per-round ratios with the
+methods alternating (``paired_ratio_vs_ulysses``, ``paired_ratio_vs_sp``).
+
+On a machine with CUDA GPUs (``benchmarks/gpu_check.sh``: ``--out FILE``, more via ``TRAIN_ARGS``) the
+same configurations run with ``--device cuda``, those needing more GPUs than there are being skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, ROOT, MiB, code_version, machine_info
+
+# name -> benchmarks.run arguments; sp is every rank (one sp group)
+CONFIGS: dict[str, list[str]] = {
+    "sp2-fp32": ["--nproc", "2"],
+    "sp2-bf16-mixed": ["--nproc", "2", "--autocast", "bfloat16"],
+    "sp4-fp32": ["--nproc", "4"],
+    "sp4-bf16-mixed": ["--nproc", "4", "--autocast", "bfloat16"],
+}
+TARGETS = (
+    # (what, numerator method, denominator method, figure, relation, bound)
+    ("max length vs hand-written Ulysses", "sac", "ulysses", "max_len", ">=", 2.7),
+    ("max length vs SP alone", "sac", "sp", "max_len", ">=", 1.66),
+    ("step time vs SP alone (paired)", "sac", "sp", "paired_ratio_vs_sp", "<=", 1.07),
+    ("SP step time vs hand-written Ulysses (paired)", "sp", "ulysses", "paired_ratio_vs_ulysses", "<=", 0.97),
+)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "trainability.json")
+    parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
+    return parser.parse_known_args(argv)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_config(name: str, extra: list[str], out_dir: Path) -> dict:
+    """One ``benchmarks.run`` launch; its report, or why there is none."""
+    args = ["--suite", "trainability", *CONFIGS[name], *extra]
+    gpus = _gpus()
+    if gpus and "--device" not in extra:
+        args += ["--device", "cuda"]
+    ranks = int(args[args.index("--nproc") + 1])
+    if "cuda" in args and ranks > gpus:
+        return {"skipped": f"needs {ranks} GPUs, {gpus} found"}
+    out = out_dir / f"{name}.json"
+    shown = out.relative_to(ROOT) if out.is_absolute() and out.is_relative_to(ROOT) else out
+    command = [sys.executable, "-m", "benchmarks.run", *args, "--out", str(shown)]
+    print(f"== {name}: {shlex.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT)
+    if done.returncode != 0 or not out.exists():
+        return {"failed": f"exit code {done.returncode}", "wall_s": round(time.perf_counter() - start, 1)}
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.render:
+        write_outputs(json.loads(args.out.read_text()), args.out)
+        print(args.out.with_suffix(".md").read_text())
+        return 0
+    out_dir = args.out.parent / args.out.stem
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    configs = dict(previous.get("configs", {}))  # configurations not rerun keep their results
+    for name in args.configs:
+        configs[name] = run_config(name, extra, out_dir)
+    report = {
+        "kind": "trainability",
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.trainability", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "machine": machine_info(),
+        "code": code_version(),
+        "wall_s": round(time.perf_counter() - start, 1),
+        "configs": {name: configs[name] for name in CONFIGS if name in configs},
+    }
+    write_outputs(report, args.out)
+    print(args.out.with_suffix(".md").read_text())
+    return 0 if all("failed" not in c for c in report["configs"].values()) else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# tables
+
+
+def _by_key(run: dict) -> dict[tuple[str, str], dict]:
+    return {(s["model"], s["method"]): s for s in run.get("summary", [])}
+
+
+def _max_len(summary: dict) -> int | None:
+    return (summary.get("search") or {}).get("max_len") if summary.get("status") == "ok" else None
+
+
+def figure(run: dict, model: str, method: str, name: str, reference: str) -> float | None:
+    """``name`` of ``method`` against ``reference``: a length ratio, or a paired step-time ratio."""
+    by_key = _by_key(run)
+    mine, theirs = by_key.get((model, method), {}), by_key.get((model, reference), {})
+    if name == "max_len":
+        a, b = _max_len(mine), _max_len(theirs)
+        return a / b if a and b else None
+    return mine.get(name) if mine.get("status") == "ok" and theirs.get("status") == "ok" else None
+
+
+def _lower_bound(summary: dict) -> bool:
+    """The search never measured a length over the budget: ``max_len`` is only a lower bound."""
+    search = summary.get("search") or {}
+    return _max_len(summary) is not None and (
+        not search.get("first_over") or bool(search.get("capped_at_model_limit"))
+    )
+
+
+def verdict(value: float | None, relation: str, bound: float, low: bool, high: bool) -> bool | None:
+    """Met, not met, or None when undecided: ``low`` / ``high``, the true value may be lower / higher."""
+    if value is None:
+        return None
+    if relation == ">=":
+        return (True if not low else None) if value >= bound else (False if not high else None)
+    return (True if not high else None) if value <= bound else (False if not low else None)
+
+
+def targets(report: dict) -> list[dict]:
+    rows = []
+    for config, run in report["configs"].items():
+        by_key = _by_key(run)
+        for model in run.get("models", {}):
+            for what, method, reference, name, relation, bound in TARGETS:
+                value = figure(run, model, method, name, reference)
+                # a length ratio over a lower bound may be higher; over a lower-bound reference, lower
+                high = name == "max_len" and _lower_bound(by_key.get((model, method), {}))
+                low = name == "max_len" and _lower_bound(by_key.get((model, reference), {}))
+                met = verdict(value, relation, bound, low, high)
+                rows.append(
+                    {
+                        "config": config,
+                        "model": model,
+                        "target": what,
+                        "value": value,
+                        "bound": bound,
+                        "relation": relation,
+                        "met": met,
+                        "from_lower_bound": high or low,
+                    }
+                )
+    return rows
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _length(summary: dict) -> str:
+    if summary.get("status") != "ok":
+        return f"failed ({summary.get('failed_at')})"
+    search = summary.get("search") or {}
+    if search.get("max_len") is None:
+        return "none fits" if search.get("first_over") else "—"
+    text = str(search["max_len"])
+    if search.get("first_over"):
+        text += f" (< {search['first_over']})"
+    if search.get("capped_at_model_limit") or not search.get("first_over"):
+        text += " (lower bound)"
+    return text
+
+
+def table(report: dict) -> list[str]:
+    lines = [
+        "| config | model | method | max length | vs Ulysses | vs SP | vs DDP | peak MiB at headline "
+        "| step ms | vs Ulysses (paired) | vs SP (paired) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config, run in report["configs"].items():
+        if "summary" not in run:
+            lines.append(f"| {config} | | {next(iter(run.values()))} | | | | | | | | |")
+            continue
+        headline = str(run["settings"]["headline_len"])
+        for s in run["summary"]:
+            model, method = s["model"], s["method"]
+            step = "—" if s.get("median_step_s") is None else f"{s['median_step_s'] * 1e3:.0f}"
+            peak = s.get("peak_bytes", {}).get(headline)
+            lines.append(
+                f"| {config} | {model} | {s['label']} | {_length(s)} | "
+                f"{_x(figure(run, model, method, 'max_len', 'ulysses'))} | "
+                f"{_x(figure(run, model, method, 'max_len', 'sp'))} | "
+                f"{_x(figure(run, model, method, 'max_len', 'ddp'))} | "
+                f"{'—' if peak is None else f'{peak / MiB:.1f}'} | {step} | "
+                f"{_x(s.get('paired_ratio_vs_ulysses'))} | {_x(s.get('paired_ratio_vs_sp'))} |"
+            )
+    for config in CONFIGS:
+        if config not in report["configs"]:
+            lines.append(f"| {config} | | not run | | | | | | | | |")
+    return lines
+
+
+def target_table(report: dict) -> list[str]:
+    lines = ["| config | model | target | measured | bound | met |", "|---|---|---|---:|---:|---|"]
+    for row in targets(report):
+        if row["met"] is None:
+            met = "undecided (a length is a lower bound)" if row["value"] is not None else "n/a"
+        else:
+            met = "yes" if row["met"] else "**no**"
+        value = _x(row["value"])
+        if row.get("from_lower_bound") and row["value"] is not None:
+            value += " (from a lower bound)"
+        lines.append(
+            f"| {row['config']} | {row['model']} | {row['target']} | {value} | "
+            f"{row['relation']} {row['bound']:.2f}x | {met} |"
+        )
+    for config in CONFIGS:
+        if config not in report["configs"]:
+            lines.append(f"| {config} | | every target | not run | | n/a |")
+    return lines
+
+
+def settings_line(report: dict) -> str:
+    runs = [run for run in report["configs"].values() if "settings" in run]
+    if not runs:
+        return "No configuration ran."
+    st, m = runs[0]["settings"], report["machine"]
+    models = "; ".join(
+        f"`{name}` {spec['family']}, {spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads"
+        + ("" if spec["kv_heads"] == spec["heads"] else f" ({spec['kv_heads']} KV)")
+        + f", {spec['parameters'] / 1e6:.2f}M parameters"
+        for name, spec in runs[0]["models"].items()
+    )
+    return (
+        f"Per-rank budget {st['budget_mib']:.0f} MiB over each step's allocator peak (CPU: c10 allocator "
+        f"high-water mark of the step; parameters held before it are not counted), batch {st['batch_size']}, "
+        f"compiler `{st['compiler']}`, {st['threads']} torch thread(s) per rank, step times at "
+        f"{st['headline_len']} tokens ({st['repeats']} rounds). Models: {models}. "
+        f"{m['cpu_count']} CPUs, torch {m['torch']}, DeepSpeed {m.get('deepspeed')}; "
+        f"{report['wall_s']:.0f} s in all; code {(report['code']['commit'] or '')[:10]}."
+    )
+
+
+def render_markdown(report: dict) -> str:
+    lines = [
+        "# Trainability",
+        "",
+        f"`{report['command']}`",
+        "",
+        settings_line(report),
+        "",
+        *table(report),
+        "",
+        *target_table(report),
+        "",
+        "Each configuration's own launch:",
+        "",
+        *commands(report),
+    ]
+    for config, run in report["configs"].items():
+        for s in run.get("summary", []):
+            if s.get("status") == "failed":
+                lines += ["", f"{config}, {s['model']}, {s['label']}: `{(s.get('error') or '')[:300]}`"]
+    return "\n".join(lines) + "\n"
+
+
+def commands(report: dict) -> list[str]:
+    lines = []
+    for config in CONFIGS:
+        run = report["configs"].get(config)
+        if run is None:
+            lines.append(f"- {config}: not run")
+        elif "command" in run:
+            wall = run.get("wall_s_worker")
+            lines.append(f"- {config}: `{run['command']}`" + ("" if wall is None else f" ({wall:.0f} s)"))
+        else:
+            lines.append(f"- {config}: {next(iter(run.values()))}")
+    return lines
+
+
+def readme_section(report: dict) -> str:
+    return "\n".join([settings_line(report), "", *table(report), "", *target_table(report)]) + "\n"
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render_markdown(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
