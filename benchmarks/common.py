@@ -85,6 +85,25 @@ def launch_and_time(
     return rc
 
 
+def launch_or_work(
+    module: str,
+    argv: list[str],
+    args: Any,
+    *,
+    write_report: Callable[[dict, Path], None],
+    work: Callable[[Any], None],
+) -> int:
+    """From the command line, relaunch ``module`` under torchrun (``launch_and_time``); in a torchrun
+    worker, run ``work(args)``. ``args`` carries ``nproc``, ``threads`` and ``out``."""
+    if "LOCAL_RANK" not in os.environ:
+        return launch_and_time(
+            module, argv, nproc=args.nproc, threads=args.threads, out=args.out, write_report=write_report
+        )
+    sys.path.insert(0, str(ROOT))
+    work(args)
+    return 0
+
+
 def worker_argv(argv: list[str]) -> list[str]:
     """The arguments of this worker: those ``relaunch_under_torchrun`` passed on, else ``argv``."""
     if "LOCAL_RANK" in os.environ and "AUTOSP_BENCH_ARGV" in os.environ:

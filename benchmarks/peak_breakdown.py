@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -51,12 +50,11 @@ from typing import Any
 from benchmarks.common import (
     BACKWARD_MARK,
     RESULTS,
-    ROOT,
     MiB,
     bench_command,
     code_version,
     disable_compile_caches,
-    launch_and_time,
+    launch_or_work,
     machine_info,
     profile_events,
     worker_argv,
@@ -474,18 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(json.loads(args.out.read_text()), args.out)
         print(args.out.with_suffix(".md").read_text())
         return 0
-    if "LOCAL_RANK" not in os.environ:
-        return launch_and_time(
-            "benchmarks.peak_breakdown",
-            argv,
-            nproc=args.nproc,
-            threads=args.threads,
-            out=args.out,
-            write_report=write_outputs,
-        )
-    sys.path.insert(0, str(ROOT))
-    worker_main(args)
-    return 0
+    return launch_or_work(
+        "benchmarks.peak_breakdown", argv, args, write_report=write_outputs, work=worker_main
+    )
 
 
 if __name__ == "__main__":

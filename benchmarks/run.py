@@ -53,7 +53,6 @@ from typing import Any
 
 from benchmarks.common import (
     RESULTS,
-    ROOT,
     MiB,
     allocator_peak,
     bench_command,
@@ -61,7 +60,7 @@ from benchmarks.common import (
     cuda_peak,
     disable_compile_caches,
     grad_rel_err,
-    launch_and_time,
+    launch_or_work,
     machine_info,
     profiled_step,
     saved_for_backward,
@@ -636,20 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps(plan(args), indent=1))
         return 0
-    if "LOCAL_RANK" not in os.environ:
-        from benchmarks.report import write_outputs
+    from benchmarks.report import write_outputs  # benchmarks.report imports this module
 
-        return launch_and_time(
-            "benchmarks.run",
-            argv,
-            nproc=args.nproc,
-            threads=args.threads,
-            out=args.out,
-            write_report=write_outputs,
-        )
-    sys.path.insert(0, str(ROOT))
-    worker_main(args)
-    return 0
+    return launch_or_work("benchmarks.run", argv, args, write_report=write_outputs, work=worker_main)
 
 
 if __name__ == "__main__":

@@ -62,14 +62,13 @@ from typing import Any
 
 from benchmarks.common import (
     RESULTS,
-    ROOT,
     MiB,
     allocator_peak,
     bench_command,
     current_grads,
     disable_compile_caches,
     grad_rel_err,
-    launch_and_time,
+    launch_or_work,
     machine_info,
     memtracker_check,
     op_of,
@@ -589,18 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(json.loads(args.out.read_text()), args.out)
         print(args.out.with_suffix(".md").read_text())
         return 0
-    if "LOCAL_RANK" not in os.environ:
-        return launch_and_time(
-            "benchmarks.sac",
-            argv,
-            nproc=args.nproc,
-            threads=args.threads,
-            out=args.out,
-            write_report=write_report,
-        )
-    sys.path.insert(0, str(ROOT))
-    worker(args)
-    return 0
+    return launch_or_work("benchmarks.sac", argv, args, write_report=write_report, work=worker)
 
 
 if __name__ == "__main__":
