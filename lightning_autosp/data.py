@@ -269,3 +269,27 @@ def shard_batch(
         return tensor
 
     return apply_to_collection(batch, Tensor, narrow), shard
+
+
+def gather_sequence(tensor: Tensor, shard: SequenceShard, group: Any, dim: int) -> Tensor:
+    """Every sp rank's slice of ``tensor`` along ``dim`` -> the whole sequence, in sequence order.
+
+    A collective over ``group`` (the sp group); shards may be uneven (padded to the longest to gather).
+    """
+    longest = max(shard.seq_lens)
+    padding = list(tensor.shape)
+    padding[dim] = longest - tensor.shape[dim]
+    padded = torch.cat([tensor, tensor.new_zeros(padding)], dim=dim).contiguous()
+    gathered = [torch.empty_like(padded) for _ in shard.seq_lens]
+    torch.distributed.all_gather(gathered, padded, group=group)
+    in_rank_order = torch.cat(
+        [part.narrow(dim, 0, length) for part, length in zip(gathered, shard.seq_lens)], dim=dim
+    )
+    return in_rank_order if shard.is_contiguous else in_sequence_order(in_rank_order, shard, dim)
+
+
+def in_sequence_order(gathered: Tensor, shard: SequenceShard, dim: int) -> Tensor:
+    """Shards concatenated in rank order -> the sequence order, under any layout."""
+    positions = [p for rank in range(shard.world) for p in shard.positions(rank=rank)]
+    order = torch.argsort(torch.tensor(positions, device=gathered.device))
+    return gathered.index_select(dim, order)

@@ -40,7 +40,7 @@ from lightning_autosp.compiler.backend import (
 )
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, shard_batch
+from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, gather_sequence, shard_batch
 from lightning_autosp.mesh import (
     RING,
     SP,
@@ -540,25 +540,9 @@ class AutoSPStrategy(DDPStrategy):
         Every rank of the sp group must call it (it is a collective); shards may be uneven.
         Shapes: [B, S_r, ...] -> [B, S, ...] along ``dim``.
         """
-        shard = self.sequence_shard
-        if shard is None:
+        if self.sequence_shard is None:
             return tensor
-        if not shard.is_contiguous:  # zigzag: put every rank's positions back in sequence order
-            return _in_sequence_order(self._gather_shards(tensor, dim), shard, dim)
-        return self._gather_shards(tensor, dim)
-
-    def _gather_shards(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's shard along ``dim``, concatenated in sp rank order."""
-        shard = self.sequence_shard
-        longest = max(shard.seq_lens)
-        padding = list(tensor.shape)
-        padding[dim] = longest - tensor.shape[dim]
-        padded = torch.cat([tensor, tensor.new_zeros(padding)], dim=dim).contiguous()
-        gathered = [torch.empty_like(padded) for _ in shard.seq_lens]
-        torch.distributed.all_gather(gathered, padded, group=self.device_mesh.get_group(SP))
-        return torch.cat(
-            [part.narrow(dim, 0, length) for part, length in zip(gathered, shard.seq_lens)], dim=dim
-        )
+        return gather_sequence(tensor, self.sequence_shard, self.device_mesh.get_group(SP), dim)
 
     def explain(self) -> str:
         """What the compiler did, per compiled graph: attention found, all-to-alls, rewrites, layouts."""
@@ -586,13 +570,6 @@ class AutoSPStrategy(DDPStrategy):
         return AutoSPBackend(
             context, tags=self._sequence_tags, compiler=self.compiler, sac=self.sac, **self.loss_options
         )
-
-
-def _in_sequence_order(gathered: torch.Tensor, shard: SequenceShard, dim: int) -> torch.Tensor:
-    """Shards concatenated in rank order -> the sequence order, under any layout."""
-    positions = [p for rank in range(shard.world) for p in shard.positions(rank=rank)]
-    order = torch.argsort(torch.tensor(positions, device=gathered.device))
-    return gathered.index_select(dim, order)
 
 
 StrategyRegistry.register(

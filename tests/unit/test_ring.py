@@ -13,14 +13,14 @@ import lightning_autosp.strategy as strategy_module
 from lightning_autosp.compiler.layout import SequenceTags
 from lightning_autosp.compiler.ring import fetch_plan, find_blocks, ring_args
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
-from lightning_autosp.data import SequenceShard, shard_batch
+from lightning_autosp.data import SequenceShard, in_sequence_order, shard_batch
 from lightning_autosp.mesh import (
     auto_ulysses_degree,
     check_ulysses_degree,
     check_ulysses_degree_option,
     find_head_counts,
 )
-from lightning_autosp.strategy import AutoSPStrategy, _in_sequence_order
+from lightning_autosp.strategy import AutoSPStrategy
 from tests.distributed.modules import GPTModule, LlamaModule
 from tests.unit.sp_graphs import (
     GROUP,
@@ -364,4 +364,4 @@ def test_auto_ulysses_degree_reads_the_heads_off_the_module(four_cpu_ranks, monk
 def test_predict_outputs_go_back_to_sequence_order() -> None:
     shard = SequenceShard.for_ring(16, 4, 0, 2, "zigzag")
     in_rank_order = torch.tensor([p for rank in range(4) for p in shard.positions(rank=rank)]).view(1, 16)
-    assert _in_sequence_order(in_rank_order, shard, dim=1).tolist() == [list(range(16))]
+    assert in_sequence_order(in_rank_order, shard, dim=1).tolist() == [list(range(16))]
