@@ -87,14 +87,14 @@ def check_setup(setup: dict, compiler: str) -> None:
     assert all(calls == simulated.calls[0] for calls in simulated.calls)
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(setup=colliding_setups())
 @pytest.mark.inductor
 def test_colliding_sizes_are_exact_under_inductor_and_sac(setup: dict) -> None:
     check_setup(setup, "inductor")
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(setup=colliding_setups())
 def test_colliding_sizes_are_exact(setup: dict) -> None:
     check_setup(setup, "aot_eager")
