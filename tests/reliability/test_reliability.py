@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).parent
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
-MAX_EXAMPLES = 6
+MAX_EXAMPLES = 4
 # Hang guards, not expectations: each job takes well under a tenth of this on 2 idle cores.
 JOB_HANG_GUARD_S = 600
 CHECKS_HANG_GUARD_S = 1200
