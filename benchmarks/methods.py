@@ -172,6 +172,8 @@ class Ours(Method):
         return Prepared(lambda: fn(batch), backward, lambda loss: loss.item())
 
     def graph_facts(self) -> dict:
+        if not self.backends:  # never prepared (the run's deadline came first): nothing to report
+            return {}
         backend = self.backends[-1]
         return {
             "graphs": len(backend.reports),

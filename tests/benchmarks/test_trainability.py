@@ -27,3 +27,13 @@ def test_committed_report_renders_and_names_what_did_not_run() -> None:
             assert f"- {config}: not run" in markdown
     assert "| sp2-fp32 | gpt-tiny | ours: SP + SAC |" in markdown
     assert "\n".join(trainability.table(report)) in markdown
+
+
+def test_a_method_the_deadline_never_prepared_reports_no_graph_facts() -> None:
+    # A run past --deadline-s skips a model's lengths; the report of a method never prepared must not
+    # crash the worker (it did, losing every finished row of the run).
+    from benchmarks.methods import OursSP
+
+    method = OursSP.__new__(OursSP)  # no model built: only what graph_facts reads
+    method.backends = []
+    assert method.graph_facts() == {}
