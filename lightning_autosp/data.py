@@ -119,6 +119,11 @@ class SequenceShard:
             owned.extend(range(self.global_len, length))
         return owned
 
+    def sequence_order(self) -> list[int]:
+        """Indices that put every rank's shard, concatenated in rank order, back in sequence order."""
+        positions = [p for rank in range(self.world) for p in self.positions(rank=rank)]
+        return sorted(range(len(positions)), key=positions.__getitem__)
+
     @property
     def ulysses_degree(self) -> int:
         return self.world // self.ring_degree
@@ -276,10 +281,8 @@ def gather_sequence(tensor: Tensor, shard: SequenceShard, group: Any, dim: int) 
 
     A collective over ``group`` (the sp group); shards may be uneven (padded to the longest to gather).
     """
-    longest = max(shard.seq_lens)
-    padding = list(tensor.shape)
-    padding[dim] = longest - tensor.shape[dim]
-    padded = torch.cat([tensor, tensor.new_zeros(padding)], dim=dim).contiguous()
+    padded = tensor.new_zeros([*tensor.shape[:dim], max(shard.seq_lens), *tensor.shape[dim + 1 :]])
+    padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
     gathered = [torch.empty_like(padded) for _ in shard.seq_lens]
     torch.distributed.all_gather(gathered, padded, group=group)
     in_rank_order = torch.cat(
@@ -290,6 +293,4 @@ def gather_sequence(tensor: Tensor, shard: SequenceShard, group: Any, dim: int) 
 
 def in_sequence_order(gathered: Tensor, shard: SequenceShard, dim: int) -> Tensor:
     """Shards concatenated in rank order -> the sequence order, under any layout."""
-    positions = [p for rank in range(shard.world) for p in shard.positions(rank=rank)]
-    order = torch.argsort(torch.tensor(positions, device=gathered.device))
-    return gathered.index_select(dim, order)
+    return gathered.index_select(dim, torch.tensor(shard.sequence_order(), device=gathered.device))

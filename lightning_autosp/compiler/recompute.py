@@ -135,10 +135,13 @@ class GlobalCopier:
         for user in gathered.users:
             if user.target is torch.index_select:
                 return user
-        positions = [p for rank in range(shard.world) for p in shard.positions(rank=rank)]
-        order = sorted(range(len(positions)), key=positions.__getitem__)
         with self.graph.inserting_after(gathered):
-            index = call(self.graph, torch.tensor, (order,), {"device": example_value(gathered).device})
+            index = call(
+                self.graph,
+                torch.tensor,
+                (shard.sequence_order(),),
+                {"device": example_value(gathered).device},
+            )
         with self.graph.inserting_after(index):
             return call(self.graph, torch.index_select, (gathered, dim, index))
 

@@ -6,8 +6,8 @@
 Each family runs at an even and an odd length under aot_eager (``--lengths``: the suite runs the odd one,
 whose uneven shards are the harder case), the ``inductor`` ones also at the odd length under Inductor +
 SAC; then a control: nanoGPT with the SP pass switched off, which verify must find not exact (else an
-"exact" verdict would mean nothing). Rank 0 writes ``--out``: per run, the
-verdict, the worst loss and gradient errors over the ranks, and each rank's error if it raised.
+"exact" verdict would mean nothing). Rank 0 writes ``--out``: per run, the verdict, the worst loss and
+gradient errors over the ranks, and each rank's error if it raised.
 """
 
 from __future__ import annotations
