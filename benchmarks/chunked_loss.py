@@ -84,7 +84,6 @@ def build_step(model: str, tokens: int) -> tuple[Any, Any]:
         num_key_value_heads=2,
         max_position_embeddings=tokens,
         attn_implementation="sdpa",
-        use_cache=False,
     )
     module = LlamaForCausalLM(config)
     return module, lambda ids: module(input_ids=ids, labels=ids).loss

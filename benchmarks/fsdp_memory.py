@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     class LitLlama(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            config = LlamaConfig(**LLAMA, attn_implementation="sdpa", use_cache=False)
+            config = LlamaConfig(**LLAMA, attn_implementation="sdpa")
             self.model = LlamaForCausalLM(config)
 
         def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

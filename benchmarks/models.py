@@ -227,7 +227,6 @@ def build(spec: ModelSpec, attention: Attention = "sdpa", group: Any = None) -> 
         rms_norm_eps=spec.rms_norm_eps,
         tie_word_embeddings=spec.tie_embeddings,
         attn_implementation=_HF_ATTENTION.get(attention, "sdpa"),
-        use_cache=False,
     )
     model = LlamaForCausalLM(config)
     if attention == "ulysses":

@@ -129,7 +129,6 @@ def tiny_llama(
         num_key_value_heads=kv,
         max_position_embeddings=2**16,
         attn_implementation="sdpa",
-        use_cache=False,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

@@ -71,9 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def make_model(seq_len: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        **LLAMA, max_position_embeddings=seq_len, attn_implementation="sdpa", use_cache=False
-    )
+    config = LlamaConfig(**LLAMA, max_position_embeddings=seq_len, attn_implementation="sdpa")
     return LlamaForCausalLM(config)
 
 

@@ -228,7 +228,6 @@ class LlamaModule(L.LightningModule):
             tie_word_embeddings=h.tie_word_embeddings,
             # SDPA is the attention op the sequence-parallel passes rewrite.
             attn_implementation="sdpa",
-            use_cache=False,
         )
         return LlamaForCausalLM(config)
 

@@ -29,11 +29,13 @@ def causal_mask(batch_size: int, length: int) -> torch.Tensor:
 
 
 class PackedLlamaModule(LlamaModule):
-    """HF Llama given ``position_ids``: HF builds the document mask from them (transformers 5)."""
+    """HF Llama given ``position_ids``: HF builds the document mask from them (transformers 5), but only
+    without a cache (``masking_utils.create_causal_mask``), so a step on packed rows passes
+    ``use_cache=False`` as HF users packing documents do."""
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
-        return self.model(input_ids=ids, position_ids=batch["position_ids"], labels=ids).loss
+        return self.model(input_ids=ids, position_ids=batch["position_ids"], labels=ids, use_cache=False).loss
 
     @torch.no_grad()
     def cross_document_loss(self, batch: dict) -> float:

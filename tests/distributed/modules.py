@@ -120,7 +120,6 @@ class LlamaModule(L.LightningModule):
             num_key_value_heads=kv_heads,
             max_position_embeddings=256,
             attn_implementation="sdpa",
-            use_cache=False,
         )
         self.model = LlamaForCausalLM(config)
 
@@ -129,6 +128,15 @@ class LlamaModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class TokenizedLlamaModule(LlamaModule):
+    """HF Llama called with a tokenizer's ``attention_mask`` (all ones: no padding): HF then builds a
+    mask and repeats the K/V heads for SDPA itself (``repeat_kv``) instead of passing ``enable_gqa``."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
 
 
 class UserShardedGPTModule(GPTModule):

@@ -134,7 +134,6 @@ class HFModule(_SGD):
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=256,
-            use_cache=False,
         )
         self.model = AutoModelForCausalLM.from_config(
             AutoConfig.for_model(family, **{**defaults, **config}), attn_implementation=attn_implementation
@@ -143,6 +142,28 @@ class HFModule(_SGD):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
         return self.model(**inputs, labels=batch.get("labels", batch["input_ids"])).loss
+
+
+class ReadmeLlama(_SGD):
+    """README's usage example, unchanged but for sizes: ``LlamaConfig`` at its defaults (``use_cache=True``:
+    every layer appends its keys and values to an empty ``DynamicCache`` in training too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        sizes = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        self.model = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **sizes))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
 
 
 class LitGPTModule(_SGD):

@@ -27,7 +27,7 @@ from lightning_autosp.compiler.layout import REPLICATE, SequenceTags, Tag
 from lightning_autosp.compiler.layout import shard as layout_shard
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard, shard_batch
-from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
+from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, TokenizedLlamaModule
 
 GROUP = "fake_group"
 SEQ_TO_HEAD = ops.seq_to_head
@@ -42,6 +42,8 @@ MODULES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {
     "gpt-window": (lambda: GPTModule(mask="window"), 4, 8),
     "llama-kv2": (lambda: LlamaModule(heads=4, kv_heads=2), 4, 8),
     "llama-kv1": (lambda: LlamaModule(heads=4, kv_heads=1), 4, 8),
+    "llama-kv2-tokenized": (lambda: TokenizedLlamaModule(heads=4, kv_heads=2), 4, 8),
+    "llama-kv1-tokenized": (lambda: TokenizedLlamaModule(heads=4, kv_heads=1), 4, 8),
 }
 
 

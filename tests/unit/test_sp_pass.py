@@ -138,8 +138,9 @@ def test_a_hidden_size_equal_to_the_shard_length_is_not_the_sequence() -> None:
     [
         ("llama-kv1", True, True),  # 1 KV head over sp=2: replicated to 2 before the all-to-all
         ("llama-kv2", True, False),  # 2 KV heads split over sp=2 as they are
-        ("llama-kv1", False, True),  # HF's own repeat to 4 heads is undone: 1 head sent, replicated to 2
-        ("llama-kv2", False, False),  # HF's repeat undone: 2 heads sent, split as they are
+        # HF repeats K/V itself when it builds a mask (a tokenizer's attention_mask):
+        ("llama-kv1-tokenized", False, True),  # its repeat to 4 heads undone: 1 head sent, replicated to 2
+        ("llama-kv2-tokenized", False, False),  # its repeat undone: 2 heads sent, split as they are
     ],
 )
 def test_gqa_kv_heads(kind: str, gqa: bool, repeated: bool) -> None:
@@ -149,7 +150,9 @@ def test_gqa_kv_heads(kind: str, gqa: bool, repeated: bool) -> None:
     assert all(m.node.kwargs["enable_gqa"] is True for m in attention)
     undone = [line for line in report.replicated_kv_heads if "paired by enable_gqa" in line]
     assert len(undone) == (0 if gqa else len(attention))
-    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "expand"]
+    for sent in [match.key.args[0] for match in attention] + [match.value.args[0] for match in attention]:
+        source = sent.args[0] if sent.target is torch.repeat_interleave else sent
+        assert not (source.target == "reshape" and source.args[0].target == "expand")  # no repeat_kv left
     repeats = nodes_with_target(gm, torch.repeat_interleave)
     replicated = [line for line in report.replicated_kv_heads if line not in undone]
     if repeated:

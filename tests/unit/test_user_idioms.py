@@ -14,13 +14,22 @@ import torch
 
 from benchmarks.common import grad_rel_err, rel_err
 from tests.distributed.modules import VOCAB
-from tests.distributed.user_modules import HFModule, LitGPTModule, LossGPT, RefusedIdiomGPT, SlicedTableGPT
+from tests.distributed.user_modules import (
+    HFModule,
+    LitGPTModule,
+    LossGPT,
+    ReadmeLlama,
+    RefusedIdiomGPT,
+    SlicedTableGPT,
+)
 from tests.unit.sp_graphs import simulate_step, single_device
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
 EXACT = {
+    # README's usage example at tiny sizes: a default config (its KV cache appends to an empty tensor)
+    "readme_llama": lambda: ReadmeLlama(),
     # position tables sliced by the length: learned (minGPT), a rope cache (litgpt, freqs_cis[:seqlen])
     "learned_table": lambda: SlicedTableGPT("learned"),
     "rope_table": lambda: SlicedTableGPT("rope"),

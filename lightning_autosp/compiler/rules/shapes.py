@@ -336,7 +336,13 @@ def pad(a, node: fx.Node) -> Layout:
 
 
 def cat(a, node: fx.Node) -> Layout:
-    tensors = tensor_nodes([arg(node, 0, "tensors")])
+    """cat / concat: an operand with no elements adds nothing, so ``cat([empty, x])`` is ``x`` (HF's
+    ``DynamicCache`` appends each layer's keys and values to an empty tensor, which training never reads
+    again); joining pieces along the sequence is refused unless they are token data."""
+    operands = tensor_nodes([arg(node, 0, "tensors")])
+    tensors = [t for t in operands if not _has_no_elements(t)] or operands
+    if len(tensors) == 1:
+        return a.layout(tensors[0])
     layouts = [a.layout(t) for t in tensors]
     rank = ndim(node)
     dim = normalize_dims(arg(node, 1, "dim", 0), rank)[0]
@@ -354,6 +360,14 @@ def cat(a, node: fx.Node) -> Layout:
             node, "concatenates values of different sequence layouts", "Concatenate like with like"
         )
     return layouts[0] if layouts[0] != PARTIAL else REPLICATE
+
+
+def _has_no_elements(node: fx.Node) -> bool:
+    """Traced with a size 0 that is a number, not a symbol (a sequence length is never 0)."""
+    value = meta_value(node)
+    return isinstance(value, torch.Tensor) and any(
+        isinstance(size, int) and size == 0 for size in value.shape
+    )
 
 
 def stack(a, node: fx.Node) -> Layout:
