@@ -20,13 +20,34 @@ Note [Proving a graph exact]
 
     Nothing is rewritten before the whole graph has been proven; then the rewrite families
     (``sp_pass.py``) change exactly what the plan lists.
+
+Note [Redistribution]
+    A rule may state the layout it needs of an input (``Analysis.need``) instead of taking the one it
+    gets, as DTensor's rules return the placements they accept and its propagator redistributes. The
+    analysis records a ``Redistribution`` (the value, the op that needs it, from, to) and the rule goes on
+    as if the input had that layout; ``redistribute.py`` inserts the move before that op:
+
+    - ``shard(s) -> split(k, s)``: all-to-all. An op that mixes tokens but treats dim k independently
+      (heads for attention written out, channels for a running sum, a flip, a depthwise convolution)
+      runs on the whole sequence for 1/P of dim k. SDPA and flash-attn are this move around one op,
+      with their own lowering (``attention.py``).
+    - ``split(k, s) -> shard(s)``: the all-to-all back, where an op mixes along k (a projection).
+    - ``partial -> replicate``: all-reduce, where an op is not linear in a sum over tokens.
+    - ``shard -> global``: token data (masks, positions) computed for the whole sequence from the
+      gathered per-token inputs (``recompute.py``).
+    - ``replicate | global -> split(k)``: this rank's block of dim k, cut locally (a per-head bias).
+
+    Lowering re-derives nothing: every move is one record, and ``explain()`` lists each with its op,
+    the user's source line, the collective and its bytes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import sympy
 import torch
@@ -36,7 +57,7 @@ from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import find_flash_attention
 from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name, source_line
-from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag
+from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag, shard
 from lightning_autosp.compiler.rules import RULES
 
 log = logging.getLogger(__name__)
@@ -54,6 +75,42 @@ class Refusal:
         return f"- {where}: {self.reason}. {self.fix}"
 
 
+Move = Literal["all_to_all", "all_reduce", "recompute", "narrow"]
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """``user`` needs ``value`` in layout ``target`` (Note [Redistribution])."""
+
+    value: fx.Node
+    user: fx.Node
+    source: Layout
+    target: Layout
+    via: Move
+
+    @property
+    def collective(self) -> str:
+        return {
+            "all_to_all": "all-to-all",
+            "all_reduce": "all-reduce",
+            "recompute": "all-gather of its token inputs (recomputed whole)",
+            "narrow": "none (this rank's block, cut locally)",
+        }[self.via]
+
+    def bytes(self) -> int:
+        """What this rank holds of the value before the move (the all-to-all sends (P-1)/P of it)."""
+        value = meta_value(self.value)
+        if not isinstance(value, torch.Tensor):
+            return 0
+        return math.prod(symbols.hint(size) or 1 for size in value.shape) * value.element_size()
+
+    def __str__(self) -> str:
+        return (
+            f"{self.value.name} {self.source} -> {self.target} for {op_name(self.user)} at "
+            f"{source_line(self.user)}: {self.collective}, {self.bytes()} bytes"
+        )
+
+
 @dataclass
 class Plan:
     """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
@@ -66,7 +123,10 @@ class Plan:
     reductions: list[fx.Node] = field(default_factory=list)  # means over the sequence -> sum / global count
     extrema: list[fx.Node] = field(default_factory=list)  # amax / amin over the sequence -> all-reduce
     losses: list[fx.Node] = field(default_factory=list)  # cross_entropy / nll_loss mean -> global mean
-    materialize: dict[fx.Node, None] = field(default_factory=dict)  # PARTIAL values made whole
+    redistributions: list[Redistribution] = field(default_factory=list)  # Note [Redistribution]
+    split_shapes: dict[fx.Node, None] = field(default_factory=dict)  # views of split values: local sizes
+    selections: list[fx.Node] = field(default_factory=list)  # positions picked along the sequence -> partial
+    split_convolutions: dict[fx.Node, int] = field(default_factory=dict)  # -> its groups on this rank
     value_sizes: dict[tuple[fx.Node, fx.Node], None] = field(default_factory=dict)  # (user, size) as values
     global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
 
@@ -98,6 +158,8 @@ class Analysis:
         self.output_tags: list[Tag | None] = []
         self.output_nodes: list[object] = []
         self._shape_uses: set[fx.Node] = set()
+        self._visiting: fx.Node | None = None
+        self._needed: dict[fx.Node, Layout] = {}  # the layouts the visited op's rule asked for
 
     # ---------------------------------------------------------------------------------------------
     # running
@@ -133,7 +195,9 @@ class Analysis:
 
     def raise_refusals(self) -> None:
         if self.refusals:
-            listed = "\n".join(dict.fromkeys(str(refusal) for refusal in self.refusals))
+            # A branch on the length is the cause of whatever else looks wrong at this rank's length.
+            ordered = sorted(self.refusals, key=lambda refusal: refusal.node is not None)
+            listed = "\n".join(dict.fromkeys(str(refusal) for refusal in ordered))
             raise NotImplementedError(
                 "The SP pass cannot prove this training step exact under sequence parallelism, so it refuses "
                 f"to run it (it never trains silently wrong):\n{listed}"
@@ -143,9 +207,12 @@ class Analysis:
     # the API rules use
 
     def layout(self, arg: object) -> Layout:
-        """The layout of an argument: a node's, or REPLICATE for a constant."""
+        """The layout of an argument: a node's (as the visited op's rule needs it), or REPLICATE for a
+        constant."""
         if not isinstance(arg, fx.Node):
             return REPLICATE
+        if arg in self._needed:
+            return self._needed[arg]
         layout = self.layouts.get(arg, REPLICATE)
         return layout if isinstance(layout, Layout) else REPLICATE
 
@@ -203,10 +270,58 @@ class Analysis:
         self.refuse(node, f"{what} along the sequence, over activations (values with gradients)", fix)
         return out
 
+    def need(self, arg: fx.Node, target: Layout) -> Layout:
+        """The visited op's rule needs ``arg`` in layout ``target`` (Note [Redistribution]); from here on
+        ``layout(arg)`` answers ``target`` for this op."""
+        source = self.layout(arg)
+        if source == target:
+            return target
+        kinds = (source.kind, target.kind)
+        if source == PARTIAL and target == REPLICATE:
+            via = "all_reduce"
+        elif kinds == ("split", "shard") or (kinds == ("shard", "split") and arg not in self.token_data):
+            via = "all_to_all"
+        elif source.kind == "shard" and target.kind in ("global", "split") and arg in self.token_data:
+            via = "recompute"  # then cut to this rank's block of the split dim, if any
+        elif source.kind in ("replicate", "global") and target.kind == "split":
+            via = "narrow"
+        else:
+            raise AssertionError(f"no move from {source} to {target} for {arg.name}")
+        self.plan.redistributions.append(Redistribution(arg, self._visiting, source, target, via))
+        self._needed[arg] = target
+        return target
+
+    def sequence_home(self, arg: fx.Node) -> Layout:
+        """A split value back to this rank's tokens (the all-to-all back), or a refusal where its
+        sequence dim cannot be cut at the shard boundaries."""
+        layout = self.layout(arg)
+        shape = self.shape(arg)
+        if len(layout.dims) != 1 or layout.flat or shape is None:
+            return self.refuse(
+                self._visiting,
+                f"needs {arg.name} ({layout}) back in sequence shards, but its sequence dims are "
+                f"{list(layout.dims)} (flattened: {list(layout.flat)})",
+                "Keep one sequence dim, unflattened, where values go back to sequence shards",
+            )
+        (dim,) = layout.dims
+        length = self.global_value(shape[dim])
+        if length != self.context.shard.global_len:
+            return self.refuse(
+                self._visiting,
+                f"needs {arg.name} back in sequence shards, but its sequence dim has {length} positions, "
+                f"not the batch's {self.context.shard.global_len}",
+                "Bring values back to the sequence's own length before the op (slice off what was added)",
+            )
+        return self.need(arg, shard(dim))
+
+    def moved(self, arg: fx.Node) -> bool:
+        """Whether the visited op's rule needs ``arg`` in another layout than it has."""
+        return arg in self._needed
+
     def materialize(self, arg: object) -> None:
         """A consumer needs the whole value of a PARTIAL argument: one all-reduce makes it REPLICATE."""
         if isinstance(arg, fx.Node) and self.layout(arg) == PARTIAL:
-            self.plan.materialize[arg] = None
+            self.need(arg, REPLICATE)
 
     # ---------------------------------------------------------------------------------------------
     # inputs and outputs
@@ -290,15 +405,15 @@ class Analysis:
 
     def _visit_output(self, node: fx.Node) -> None:
         self.output_nodes = flatten(list(node.args))
+        self._visiting, self._needed = node, {}
         for value in self.output_nodes:
             if not isinstance(value, fx.Node):
                 self.output_tags.append(None)
                 continue
-            layout = self.layout(value)
             self.materialize(value)
-            if layout == PARTIAL:
-                layout = REPLICATE
-            self.output_tags.append(self._tag(value, layout))
+            if self.layout(value).is_split:  # the next graph gets this rank's tokens
+                self.sequence_home(value)
+            self.output_tags.append(self._tag(value, self.layout(value)))
 
     def _tag(self, node: fx.Node, layout: Layout) -> Tag:
         shape = self.shape(node)
@@ -326,6 +441,7 @@ class Analysis:
             self.layouts[node] = REFUSED
             return
         self._shape_uses = set()
+        self._visiting, self._needed = node, {}
         rule = self.rules.get(op_name(node))
         if rule is None:
             self.layouts[node] = self.refuse(
@@ -335,10 +451,17 @@ class Analysis:
                 "issue with this op",
             )
             return
+        if not getattr(rule, "handles_split", False):
+            # Its rule knows sequence shards only: split inputs come back to this rank's tokens first.
+            for arg in args:
+                if isinstance(arg, fx.Node) and self.layout(arg).is_split:
+                    self.sequence_home(arg)
         self.layouts[node] = rule(self, node)
         for arg in args:  # every sequence size not used as a shape is used as a value
             if isinstance(arg, fx.Node) and arg in self.sizes and arg not in self._shape_uses:
                 self.plan.value_sizes[(node, arg)] = None
+        if isinstance(self.layouts[node], Layout) and self.layouts[node].is_split:
+            self.plan.global_shapes[node] = None  # its sequence is whole: sizes at the global length
 
     def _inherit_token_data(self, node: fx.Node, args: list[object]) -> None:
         """Token data: no gradient, and computed from token data only (no trainable parameter)."""

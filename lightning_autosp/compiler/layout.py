@@ -12,6 +12,11 @@ Note [Sequence layouts]
       which one all-reduce computes, where a consumer needs it (DTensor's ``Partial``).
     - ``global_(d, ...)``: dims ``d`` are indexed by all S tokens on every rank (a mask rebuilt for the
       whole sequence and handed to the next graph).
+    - ``split(k, d, ...)``: dims ``d`` are indexed by all S tokens and dim ``k`` (heads, channels) is cut
+      in P blocks, of which this rank holds block r: DTensor's ``Shard(k)`` where ``shard(d)`` is its
+      ``Shard(seq)``. An op that mixes tokens but treats ``k`` independently (attention, a running sum,
+      a flip, a depthwise convolution) runs on it exactly; an all-to-all moves a value between the two
+      (Note [Redistribution] in ``analysis.py``).
     - ``CAUSAL``: a mask that is exactly causal, handed to the next graph as this tag; attention
       drops it for ``is_causal=True``.
 
@@ -28,21 +33,27 @@ from typing import Literal
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-Kind = Literal["replicate", "shard", "partial", "global", "causal", "refused"]
+Kind = Literal["replicate", "shard", "partial", "global", "split", "causal", "refused"]
 
 
 @dataclass(frozen=True)
 class Layout:
     """``dims``: the tensor dims indexed by tokens; ``flat``: those of them that also run over other dims
-    (``[B, S_r, V] -> [B * S_r, V]``): per-token ops and reductions work on them, slices do not."""
+    (``[B, S_r, V] -> [B * S_r, V]``): per-token ops and reductions work on them, slices do not;
+    ``split``: the dim cut in blocks over the ranks (kind ``"split"`` only)."""
 
     kind: Kind
     dims: tuple[int, ...] = ()
     flat: tuple[int, ...] = ()
+    split: int | None = None
 
     @property
     def is_shard(self) -> bool:
         return self.kind == "shard"
+
+    @property
+    def is_split(self) -> bool:
+        return self.kind == "split"
 
     @property
     def is_pairwise(self) -> bool:
@@ -52,11 +63,17 @@ class Layout:
         """This layout after its dims moved (``where[d]``: the new index of dim d; None: dim d is gone)."""
         dims = tuple(sorted(where[d] for d in self.dims if where.get(d) is not None))
         flat = tuple(sorted(where[d] for d in self.flat if where.get(d) is not None))
+        if self.kind == "split":
+            moved = where.get(self.split)
+            return Layout("split", dims, flat, moved) if moved is not None else REFUSED
         if self.kind in ("shard", "global") and not dims:
             return REPLICATE
         return Layout(self.kind, dims, flat)
 
     def __str__(self) -> str:
+        if self.kind == "split":
+            whole = f", whole sequence in {', '.join(map(str, self.dims))}" if self.dims else ""
+            return f"split({self.split}{whole})"
         if self.kind in ("shard", "global"):
             return f"{self.kind}({', '.join(map(str, self.dims))})"
         return self.kind
@@ -75,6 +92,11 @@ def shard(*dims: int, flat: tuple[int, ...] = ()) -> Layout:
 
 def global_(*dims: int) -> Layout:
     return Layout("global", tuple(sorted(dims))) if dims else REPLICATE
+
+
+def split(dim: int, *sequence_dims: int, flat: tuple[int, ...] = ()) -> Layout:
+    """Dim ``dim`` cut in blocks over the ranks, ``sequence_dims`` whole (Note [Sequence layouts])."""
+    return Layout("split", tuple(sorted(sequence_dims)), tuple(sorted(flat)), dim)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, example_value, meta_value, op_name, redirect_uses
-from lightning_autosp.compiler.layout import PARTIAL
 from lightning_autosp.compiler.rules.common import normalize_dims
 
 _ALL_REDUCE = ops.all_reduce_sum
@@ -53,15 +52,6 @@ def losses_pass(
     for node in analysis.plan.extrema:
         _extremum(graph, node, group)
         report.append(f"{node.name}: {op_name(node)} over the sequence -> all-reduce")
-    for node in analysis.plan.materialize:
-        whole_users = [u for u in node.users if analysis.layouts.get(u) != PARTIAL or u.op == "output"]
-        if not whole_users:
-            continue
-        with graph.inserting_after(node):
-            whole = call(graph, _ALL_REDUCE, (node, group))
-        for user in whole_users:
-            user.replace_input_with(node, whole)
-        report.append(f"{node.name}: partial sum -> all-reduce")
 
 
 def _mean_over_valid_tokens(graph: fx.Graph, node: fx.Node, group: str) -> None:

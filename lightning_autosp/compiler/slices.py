@@ -207,3 +207,97 @@ def _pad_counts(shard: SequenceShard, in_len: int, out_len: int) -> tuple[int, i
     owned = shard.positions(out_len)
     keep = sum(p < in_len for p in owned)
     return len(shard.positions(in_len)), keep, len(owned) - keep
+
+
+def selections_pass(
+    gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, traced: dict[fx.Node, tuple], report: list[str]
+) -> None:
+    """Positions picked along the sequence (``x[:, -1]``, ``x.select(1, i)``, ``x[arange(B), last]``)
+    become a partial sum: the rank holding a position gives it, the others zeros that keep the graph
+    connected, so every rank runs the all-reduce and its backward (Note [Redistribution])."""
+    graph = gm.graph
+    for node in analysis.plan.selections:
+        if node not in graph.nodes:
+            continue
+        args, _ = traced[node]
+        (dim,) = analysis.layout(args[0]).dims
+        length = analysis.global_value(analysis.shape(args[0])[dim])
+        with graph.inserting_before(node):
+            if op_name(node) == "select":
+                replacement = _select_owned(graph, analysis, ctx, node.args[0], dim, args[2], length)
+            else:
+                replacement = _index_owned(graph, analysis, ctx, node, args[1], dim, length)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        report.append(f"{node.name}: positions of the sequence picked where they live (a partial sum)")
+
+
+def _select_owned(
+    graph: fx.Graph, analysis: Analysis, ctx: SPContext, source: fx.Node, dim: int, index: object, length: int
+) -> fx.Node:
+    position = analysis.global_value(analysis.size_expr(index)) % length
+    owned = ctx.owned(length)
+    picked = call(graph, torch.select, (source, dim, owned.index(position) if position in owned else 0))
+    return _given_by_owner(graph, picked, position in owned)
+
+
+def _given_by_owner(graph: fx.Graph, picked: fx.Node, owner: bool) -> fx.Node:
+    """The owner's pick; elsewhere zeros still computed from it, so the graph (and the all-reduce's
+    backward, a collective every rank must run) stays connected."""
+    return picked if owner else call(graph, torch.where, (call(graph, torch.tensor, (False,)), picked, 0.0))
+
+
+def _index_owned(
+    graph: fx.Graph, analysis: Analysis, ctx: SPContext, node: fx.Node, index: object, dim: int, length: int
+) -> fx.Node:
+    source = node.args[0]
+    items = index_items(index, meta_value(source).dim())
+    in_dim, position = 0, None
+    for at, item in enumerate(items):
+        if item is None:
+            continue
+        if in_dim == dim:
+            position = at
+        in_dim += 1
+    item = items[position]
+    if not (isinstance(item, fx.Node) and isinstance(meta_value(item), torch.Tensor)):  # an int or a length
+        return _select_in_items(graph, analysis, ctx, source, items, position, dim, length)
+    lo, hi = ctx.shard.owned_range(length)
+    wrapped = call(graph, torch.remainder, (item, length))  # negative positions count from the end
+    valid = call(
+        graph,
+        operator.and_,
+        (call(graph, operator.ge, (wrapped, lo)), call(graph, operator.lt, (wrapped, hi))),
+    )
+    local = call(graph, torch.where, (valid, call(graph, operator.sub, (wrapped, lo)), 0))
+    items[position] = local
+    picked = call(graph, operator.getitem, (source, tuple(items)))
+    tensors = [i for i in items if isinstance(i, fx.Node)]
+    index_shape = torch.broadcast_shapes(*[tuple(meta_value(t).shape) for t in tensors])
+    adjacent = [at for at, i in enumerate(items) if isinstance(i, fx.Node)]
+    first = adjacent[0] if adjacent == list(range(adjacent[0], adjacent[-1] + 1)) else 0
+    leading = sum(1 for i in items[:first] if i is not None) if first else 0
+    out_rank = meta_value(node).dim()
+    shape = [1] * leading + [1] * (len(index_shape) - meta_value(item).dim()) + list(meta_value(item).shape)
+    shape += [1] * (out_rank - len(shape))
+    mask = call(graph, torch.reshape, (valid, shape))
+    return call(graph, torch.where, (mask, picked, 0.0))
+
+
+def _select_in_items(
+    graph: fx.Graph,
+    analysis: Analysis,
+    ctx: SPContext,
+    source: fx.Node,
+    items: list,
+    position: int,
+    dim: int,
+    length: int,
+) -> fx.Node:
+    """``x[:, -1, :k]``: the int at the sequence dim picked where it lives, the other items as written."""
+    wanted = analysis.global_value(analysis.size_expr(items[position])) % length
+    owned = ctx.owned(length)
+    items = list(items)
+    items[position] = owned.index(wanted) if wanted in owned else 0
+    picked = call(graph, operator.getitem, (source, tuple(items)))
+    return _given_by_owner(graph, picked, wanted in owned)

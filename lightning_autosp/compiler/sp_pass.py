@@ -12,6 +12,9 @@ its part of the single-device result, or refuses the graph before anything runs.
 4. slices, shifts and pads along the sequence are taken of the global sequence (``slices.py``);
 5. sequence lengths become numbers: global where used as values, this rank's counts as shapes;
 6. reductions over the sequence become global (``losses.py``).
+
+Before 1, every value an op needs in another layout moves there (``redistribute.py``, Note
+[Redistribution] in ``analysis.py``): all-to-alls to and from split values, all-reduces of partial sums.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from lightning_autosp.compiler.layout import SequenceTags, Tag
 from lightning_autosp.compiler.losses import losses_pass
 from lightning_autosp.compiler.positions import lengths_pass, positions_pass
 from lightning_autosp.compiler.recompute import GlobalCopier, recompute_pass
-from lightning_autosp.compiler.slices import slices_pass
+from lightning_autosp.compiler.redistribute import redistribute_pass
+from lightning_autosp.compiler.slices import selections_pass, slices_pass
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class SPReport:
     slices: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
     losses: list[str] = field(default_factory=list)
+    redistributions: list[str] = field(default_factory=list)
     layouts: list[str] = field(default_factory=list)
     output_tags: list[Tag | None] = field(default_factory=list)
 
@@ -66,6 +71,10 @@ class SPReport:
             ("sequence slices/pads made global", self.slices),
             ("token data computed for the whole sequence", self.recomputed),
             ("reductions and losses made global", self.losses),
+            (
+                "redistributed (value, from -> to, for which op, collective, bytes on this rank)",
+                self.redistributions,
+            ),
             ("layouts", self.layouts),
         ):
             if items:
@@ -122,6 +131,8 @@ def sequence_parallel_pass(
             tags.mark(meta_value(value), tag)
     gm.graph.eliminate_dead_code()  # the per-rank masks replaced by whole ones (and what only they used)
     report.layouts = _explained_layouts(analysis, gm.graph)
+    report.redistributions = redistribute_pass(gm, copier, ctx)
+    report.all_to_alls += sum(move.via == "all_to_all" for move in analysis.plan.redistributions)
     report.recomputed = recompute_pass(copier)
     gm.graph.eliminate_dead_code()
 
@@ -132,6 +143,7 @@ def sequence_parallel_pass(
             attention.sdpa_pass(gm.graph, node, ctx, report)
     positions_pass(gm, analysis, ctx, report.positions)
     slices_pass(gm, analysis, ctx, copier.pristine, report.slices)
+    selections_pass(gm, analysis, ctx, copier.pristine, report.slices)
     lengths_pass(gm, analysis, ctx)
     losses_pass(gm, analysis, ctx, copier.pristine, report.losses)
     gm.graph.eliminate_dead_code()
@@ -176,6 +188,6 @@ def _explained_layouts(analysis: Analysis, graph: fx.Graph) -> list[str]:
     """The layouts a user cares about: positions, token data computed whole, losses and partial sums
     (those still used once the masks are whole)."""
     plan = analysis.plan
-    notable = [*plan.positions, *plan.tables, *plan.recompute, *plan.losses, *plan.materialize]
+    notable = [*plan.positions, *plan.tables, *plan.recompute, *plan.losses]
     alive = set(graph.nodes)
     return [f"{node.name}={analysis.layouts.get(node)}" for node in dict.fromkeys(notable) if node in alive]

@@ -44,7 +44,7 @@ from tests.distributed.user_modules import (  # noqa: E402
     HFModule,
     LitGPTModule,
     LossGPT,
-    RefusedIdiomGPT,
+    SequenceIdiomGPT,
     SlicedTableGPT,
 )
 from tests.flash_stand_in import flash_attn_stand_in  # noqa: E402
@@ -200,9 +200,10 @@ CASES.update(
         ),
         "idiom_rolled_labels": Case(LossGPT, {"loss": "roll"}, seq_len=24),
         "idiom_per_token_losses": Case(LossGPT, {"loss": "mean_none"}, seq_len=25, ignored_tail=(3, 7)),
-        "idiom_refused_sort": Case(RefusedIdiomGPT, {"idiom": "sort_over_sequence"}),
-        "idiom_refused_branch_on_length": Case(RefusedIdiomGPT, {"idiom": "branch_on_length"}),
-        "idiom_refused_pool_last_token": Case(RefusedIdiomGPT, {"idiom": "pool_last_token"}),
+        "idiom_sort": Case(SequenceIdiomGPT, {"idiom": "sort_over_sequence"}, seq_len=25),
+        "idiom_pool_last_token": Case(SequenceIdiomGPT, {"idiom": "pool_last_token"}, seq_len=25),
+        "idiom_refused_branch_on_length": Case(SequenceIdiomGPT, {"idiom": "branch_on_length"}),
+        "idiom_refused_insert_token": Case(SequenceIdiomGPT, {"idiom": "insert_token"}),
     }
 )
 

@@ -23,11 +23,12 @@ EXACT = [
     "idiom_sum_over_count",  # Inductor + SAC
     "idiom_rolled_labels",
     "idiom_per_token_losses",
+    "idiom_sort",  # an all-to-all to channels and back
+    "idiom_pool_last_token",  # a partial pick, all-reduced
 ]
 REFUSED = {
-    "idiom_refused_sort": "orders values (sort) along the sequence",
     "idiom_refused_branch_on_length": "branched on the sequence length",
-    "idiom_refused_pool_last_token": "selects single positions",
+    "idiom_refused_insert_token": "concatenates along the sequence",
 }
 
 

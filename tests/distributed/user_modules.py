@@ -196,13 +196,15 @@ class LitGPTModule(_SGD):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
-class RefusedIdiomGPT(_SGD):
-    """The tests' GPT with one idiom the SP pass cannot prove exact, and must refuse naming this file's line:
+class SequenceIdiomGPT(_SGD):
+    """The tests' GPT with one idiom that mixes tokens outside attention.
 
-    ``hand_written_attention`` softmax(QK^T)V; ``sort_over_sequence`` sorts activations along the sequence;
-    ``pool_last_token`` a loss on the last position (which lives on one rank); ``branch_on_length`` a Python
-    branch on the length that the shard and the whole sequence take differently; ``conv_over_sequence`` a
-    causal convolution over the sequence; ``cumsum_of_activations`` a running sum of activations.
+    Exact by redistribution: ``hand_written_attention`` softmax(QK^T)V; ``sort_over_sequence`` sorts
+    activations along the sequence; ``cumsum_of_activations`` a running sum of activations;
+    ``pool_last_token`` a loss on the last position (which lives on one rank).
+    Refused, naming this file's line: ``branch_on_length`` a Python branch on the length that the shard and
+    the whole sequence take differently; ``conv_over_sequence`` a full (not grouped) convolution over the
+    sequence; ``insert_token`` a learned token inserted into the sequence (it grows by one).
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:
@@ -210,6 +212,7 @@ class RefusedIdiomGPT(_SGD):
         self.idiom = idiom
         self.model = TinyGPT(dim=dim)
         self.conv = nn.Conv1d(dim, dim, kernel_size=3, padding=2)
+        self.start = nn.Parameter(torch.zeros(1, 1, dim))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
@@ -225,6 +228,8 @@ class RefusedIdiomGPT(_SGD):
             x = self.conv(x.transpose(1, 2))[..., : ids.size(1)].transpose(1, 2)
         elif self.idiom == "cumsum_of_activations":
             x = x.cumsum(dim=1)
+        elif self.idiom == "insert_token":
+            x = torch.cat([self.start.expand(x.size(0), 1, -1), x], dim=1)[:, 1:]
         logits = self.model.head(x)
         if self.idiom == "pool_last_token":
             return F.cross_entropy(logits[:, -1], ids[:, 0])

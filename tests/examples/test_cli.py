@@ -194,8 +194,8 @@ def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
             },
         },
         "model": {
-            "class_path": "tests.distributed.user_modules.RefusedIdiomGPT",
-            "init_args": {"idiom": "sort_over_sequence"},
+            "class_path": "tests.distributed.user_modules.SequenceIdiomGPT",
+            "init_args": {"idiom": "insert_token"},
         },
         "data": {"class_path": "tests.examples.cli_helpers.RandomTokens", "init_args": {"seq_len": 40}},
     }
@@ -203,7 +203,7 @@ def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config))
     output = run_cli(tmp_path, "verify", f"--config={path}", "--seq_len=25", expect_code=1)
     assert "25 tokens" in output
-    assert "orders values (sort) along the sequence" in output and "user_modules.py" in output, output[-4000:]
+    assert "concatenates along the sequence" in output and "user_modules.py" in output, output[-4000:]
     assert "REFUSED: the SP run stopped with the error above, on every rank" in output
 
 

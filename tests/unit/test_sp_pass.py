@@ -438,7 +438,10 @@ def test_sum_loss_is_all_reduced() -> None:
     (total,) = nodes_with_target(gm, ALL_REDUCE_SUM)
     assert total.args == (cross_entropy, GROUP)
     assert output_values(gm) == (total,)
-    assert report.losses == [f"{cross_entropy.name}: partial sum -> all-reduce"]
+    (move,) = report.redistributions  # explain() lists the move: value, layouts, op, collective, bytes
+    assert (
+        move.startswith(f"{cross_entropy.name} partial -> replicate for output at ") and "all-reduce" in move
+    )
 
 
 class SplitThenHead(torch.nn.Module):
@@ -476,7 +479,7 @@ def test_loss_without_sharded_inputs_is_left_alone() -> None:
     # the mean over the sharded ids is a sum, made whole once, over the global count
     (total,) = nodes_with_target(gm, ALL_REDUCE_SUM)
     mean, loss = output_values(gm)
-    assert mean.target is operator.truediv and mean.args == (total, B * 24)
+    assert mean is total and total.args[0].target is operator.truediv and total.args[0].args[1] == B * 24
     assert loss is cross_entropy
 
 
@@ -492,8 +495,10 @@ def test_unreduced_loss_stays_per_token() -> None:
     assert report.output_tags[0].layout.dims == (0,)  # one loss per (flattened) token
 
 
-def test_hand_written_attention_is_refused() -> None:
-    """softmax(QK^T)V over a shard sees only the shard's tokens: refuse, and name SDPA as the fix."""
+def test_hand_written_attention_runs_on_the_whole_sequence_for_a_block_of_a_batch_dim() -> None:
+    """softmax(QK^T)V over a shard sees only the shard's tokens: q, k and v go to the whole sequence for a
+    block of a dim attention treats independently (here the batch: the one head does not divide), and
+    the output comes back (Note [Redistribution])."""
 
     def step(x):
         q = k = v = x.unsqueeze(1)  # (B, 1, T, C)
@@ -502,7 +507,24 @@ def test_hand_written_attention_is_refused() -> None:
 
     shard = SequenceShard.balanced(24, 2, 0)
     x = torch.randn(B, shard.local_len, 8, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="attention written by hand.*scaled_dot_product_attention"):
+    gm, report, inputs = pass_on(step, shard, x, sharded={0: 1})
+    to_blocks = nodes_with_target(gm, SEQ_TO_HEAD)
+    # q (also v: the same value, moved once) and k^T: the batch dim cut, the tokens gathered
+    assert [n.args[1:3] for n in to_blocks] == [(0, 2), (0, 3)]
+    *moves, total = report.redistributions  # the sum of the blocks is a partial sum: no way back needed
+    assert len(moves) == 3 and all("all-to-all" in line for line in moves) and "all-reduce" in total
+    fake_propagate(gm, inputs)
+    assert fake_shape(to_blocks[0]) == (B // 2, 1, 24, 8)
+
+
+def test_hand_written_attention_is_refused_when_no_dim_divides() -> None:
+    def step(x):
+        q = k = v = x.unsqueeze(1)  # (1, 1, T, C): neither the batch nor the heads divide by 2
+        return ((q @ k.transpose(-2, -1)).softmax(dim=-1) @ v).sum()
+
+    shard = SequenceShard.balanced(24, 2, 0)
+    x = torch.randn(1, shard.local_len, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match=r"attention written by hand.*sizes \[1, 1, 'S', 8\]"):
         pass_on(step, shard, x, sharded={0: 1})
 
 

@@ -19,7 +19,7 @@ from tests.distributed.user_modules import (
     LitGPTModule,
     LossGPT,
     ReadmeLlama,
-    RefusedIdiomGPT,
+    SequenceIdiomGPT,
     SlicedTableGPT,
 )
 from tests.unit.sp_graphs import simulate_step, single_device
@@ -43,14 +43,16 @@ EXACT = {
     "sum_over_count": lambda: LossGPT("sum_over_count"),
     "rolled_labels": lambda: LossGPT("roll"),
     "mean_of_per_token_losses": lambda: LossGPT("mean_none"),
+    # ops that mix tokens outside attention, made exact by redistribution (Note [Redistribution])
+    "hand_written_attention": lambda: SequenceIdiomGPT("hand_written_attention"),  # split over the batch
+    "sort_over_sequence": lambda: SequenceIdiomGPT("sort_over_sequence"),  # split over the channels
+    "cumsum_of_activations": lambda: SequenceIdiomGPT("cumsum_of_activations"),
+    "pool_last_token": lambda: SequenceIdiomGPT("pool_last_token"),  # picked where it lives, all-reduced
 }
 REFUSED = {
-    "hand_written_attention": ("matmul", "attention written by hand", "scaled_dot_product_attention"),
-    "sort_over_sequence": ("sort", "orders values (sort) along the sequence", "Order along other dims"),
-    "pool_last_token": ("getitem", "selects single positions", "select the position in the data pipeline"),
     "branch_on_length": (None, "branched on the sequence length", "Make the branch independent"),
-    "conv_over_sequence": ("conv1d", "convolves along the sequence", "convolve in the data pipeline"),
-    "cumsum_of_activations": ("cumsum", "takes a running cumsum along the sequence", "data pipeline"),
+    "conv_over_sequence": ("conv1d", "its groups (1) do not divide by sp_size=2", "grouped convolution"),
+    "insert_token": ("cat", "concatenates along the sequence", "Concatenate in the data pipeline"),
 }
 
 
@@ -77,7 +79,7 @@ def test_idiom_is_exact(idiom: str, length: int) -> None:
 @pytest.mark.parametrize("idiom", list(REFUSED))
 def test_idiom_is_refused_with_the_users_line(idiom: str) -> None:
     torch.manual_seed(0)
-    module = RefusedIdiomGPT(idiom)
+    module = SequenceIdiomGPT(idiom)
     op, reason, fix = REFUSED[idiom]
     with pytest.raises(NotImplementedError) as refusal:
         simulate_step(module, batch_of(24), 2)

@@ -38,10 +38,11 @@ def normalize_dims(dims: object, rank: int) -> list[int]:
 
 
 def reduced_positions(rank: int, reduced: Iterable[int], keepdim: bool) -> dict[int, int | None]:
-    """Where each dim goes after reducing ``reduced`` (None: gone)."""
+    """Where each dim goes after reducing ``reduced`` (None: gone, or kept with size 1, which no token
+    indexes any more)."""
     reduced = set(reduced)
     if keepdim:
-        return {d: d for d in range(rank)}
+        return {d: None if d in reduced else d for d in range(rank)}
     where, next_dim = {}, 0
     for d in range(rank):
         if d in reduced:

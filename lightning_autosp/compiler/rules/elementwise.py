@@ -11,6 +11,7 @@ from torch import fx
 
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, global_, shard
 from lightning_autosp.compiler.rules.common import ndim, tensor_nodes
+from lightning_autosp.compiler.rules.split import broadcast, handles_split, home_or_align
 
 
 def _names(text: str) -> set[str]:
@@ -45,8 +46,13 @@ _LINEAR_IN_ALL = {"add", "sub", "subtract", "iadd", "isub", "neg", "negative", "
 _CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "detach"}
 
 
+@handles_split
 def pointwise(a, node: fx.Node) -> Layout:
     tensors = tensor_nodes([*node.args, *node.kwargs.values()])
+    out_rank = ndim(node)
+    regrouped = home_or_align(a, [broadcast(t, out_rank) for t in tensors], out_rank)
+    if regrouped is not None:
+        return regrouped
     layouts = [a.layout(t) for t in tensors]
     if PARTIAL in layouts:
         if _linear_in_partial(node, tensors, layouts):
@@ -63,7 +69,6 @@ def pointwise(a, node: fx.Node) -> Layout:
                 "between them)",
             )
         return CAUSAL
-    out_rank = ndim(node)
     local, whole, flat = set(), set(), set()
     for tensor, layout in zip(tensors, layouts):
         offset = out_rank - ndim(tensor)
@@ -86,6 +91,12 @@ def pointwise(a, node: fx.Node) -> Layout:
 def in_place(a, node: fx.Node) -> Layout:
     result = pointwise(a, node)
     target = node.args[0] if node.args else None
+    if isinstance(target, fx.Node) and a.moved(target):
+        return a.refuse(
+            node,
+            f"updates {target.name} in place, which must first move to another layout ({a.layout(target)})",
+            "Assign the result to a new tensor instead of updating one in place",
+        )
     if isinstance(target, fx.Node) and result != a.layout(target) and a.layout(target) != PARTIAL:
         return a.refuse(
             node,

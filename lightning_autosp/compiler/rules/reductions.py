@@ -17,6 +17,14 @@ from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, shard
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, reduced_positions, tensor_nodes
 from lightning_autosp.compiler.rules.elementwise import pointwise
+from lightning_autosp.compiler.rules.split import (
+    Operand,
+    align,
+    broadcast,
+    choose,
+    handles_split,
+    split_operands,
+)
 
 _ATTENTION_FIX = (
     "Compute attention with torch.nn.functional.scaled_dot_product_attention (HF: "
@@ -32,26 +40,53 @@ def _materialize_all(a, node: fx.Node) -> list[Layout]:
     return [REPLICATE if a.layout(t) == PARTIAL else a.layout(t) for t in tensors]
 
 
-def along_dim(a, node: fx.Node, dim: object, what: str, fix: str, *, tuple_out: int = 0) -> object:
-    """An op that reads across ``dim`` and keeps the shape (softmax, cumsum, sort, flip, roll...)."""
+def along_dim(
+    a, node: fx.Node, dim: object, what: str, fix: str, *, tuple_out: int = 0, keeps_blocks: bool = False
+) -> object:
+    """An op that reads across ``dim`` and keeps the shape (softmax, cumsum, sort, flip, roll...).
+
+    Across the sequence of an activation it runs on the whole sequence for a block of another dim
+    (Note [Redistribution]); ``keeps_blocks``: along a split dim too (repeat_interleave maps blocks to
+    blocks)."""
     _materialize_all(a, node)
     source = node.args[0]
     layout = a.layout(source)
-    dims = normalize_dims(dim, ndim(source))
+    rank = ndim(source)
+    dims = normalize_dims(dim, rank)
+    if layout.is_split and layout.split in dims and not keeps_blocks:
+        layout = a.sequence_home(source)
+    if set(dims) & set(layout.dims) and layout.kind == "shard" and node not in a.token_data:
+        operand = Operand(source, {d: d for d in range(rank)})
+        out_dim = choose(a, [operand], [d for d in range(rank) if d not in dims and d not in layout.dims])
+        regrouped = align(a, [operand], out_dim, rank) if out_dim is not None else None
+        if regrouped is not None:
+            layout = regrouped
     out = (layout,) * tuple_out if tuple_out else layout
-    if set(dims) & set(layout.dims):
-        return a.mixes(node, what, out, fix)
+    if set(dims) & set(layout.dims) and not layout.is_split:
+        return a.mixes(node, what, out, _no_split_fix(a, source, fix))
     return out
 
 
+def _no_split_fix(a, source: fx.Node, fix: str) -> str:
+    """The fix of an op on the sequence that no dim of ``source`` could be split over."""
+    sizes = [int(size) if not a.has_sequence_symbol(size) else "S" for size in a.shape(source) or ()]
+    return (
+        f"{fix} (no dim it treats independently, of sizes {sizes}, divides by sp_size="
+        f"{a.context.shard.world}, which would let it run on the whole sequence for a block of that dim)"
+    )
+
+
+@handles_split
 def softmax(a, node: fx.Node) -> Layout:
     return along_dim(a, node, arg(node, 1, "dim"), "normalizes (softmax)", _ATTENTION_FIX)
 
 
+@handles_split
 def normalize(a, node: fx.Node) -> Layout:
     return along_dim(a, node, arg(node, 2, "dim", 1), "normalizes", "Normalize over the hidden dim")
 
 
+@handles_split
 def scan(a, node: fx.Node) -> object:
     """cumsum / cumprod / cummax / cummin / logcumsumexp."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -66,6 +101,7 @@ def scan(a, node: fx.Node) -> object:
     )
 
 
+@handles_split
 def sort(a, node: fx.Node) -> object:
     """sort / argsort / topk / kthvalue / msort: values (and indices) along a dim."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -81,10 +117,12 @@ def sort(a, node: fx.Node) -> object:
     )
 
 
+@handles_split
 def flip(a, node: fx.Node) -> Layout:
     return along_dim(a, node, arg(node, 1, "dims"), "reverses", "Reverse in the data pipeline")
 
 
+@handles_split
 def roll(a, node: fx.Node) -> Layout:
     dims = arg(node, 2, "dims")
     if dims is None:  # rolls the flattened tensor
@@ -92,45 +130,89 @@ def roll(a, node: fx.Node) -> Layout:
     return along_dim(a, node, dims, "rolls values", "Shift with slices (x[:, 1:]) or in the data pipeline")
 
 
+@handles_split
 def diff(a, node: fx.Node) -> Layout:
     return along_dim(
         a, node, arg(node, 2, "dim", -1), "takes differences of neighbors", "Compute it in the data pipeline"
     )
 
 
+@handles_split
 def repeat_interleave(a, node: fx.Node) -> Layout:
     """Repeats along a dim (K/V heads for grouped-query attention); along the sequence it mixes."""
     a.shape_use(*node.args[1:], *node.kwargs.values())
     dim = arg(node, 2, "dim")
     if dim is None:
         return a.refuse(node, "repeats the flattened tensor", "Pass dim= to repeat_interleave")
-    return along_dim(a, node, dim, "repeats values", "Repeat along other dims")
+    return along_dim(a, node, dim, "repeats values", "Repeat along other dims", keeps_blocks=True)
 
 
+@handles_split
 def triangle(a, node: fx.Node) -> Layout:
     """tril / triu over the last two dims: a mask's [S_r, S_r] block stays a mask; one sequence dim mixes."""
     _materialize_all(a, node)
     layout = a.layout(node.args[0])
     rank = ndim(node.args[0])
     last_two = {rank - 2, rank - 1}
+    if layout.is_split and layout.split in last_two:
+        a.sequence_home(node.args[0])
+        return triangle(a, node)
+    if layout.is_split:
+        return layout
     inside = last_two & set(layout.dims)
     if inside and inside != last_two:
         return a.mixes(node, "keeps a triangle of a matrix with one sequence dim", layout, _ATTENTION_FIX)
     return layout
 
 
+@handles_split
 def convolution(a, node: fx.Node) -> Layout:
-    """conv1d / conv2d / conv3d and their transposes over [N, C, *spatial]: along the spatial dims each
-    output reads neighbours, which at a shard's edge live on the next rank."""
+    """conv1d / conv2d / conv3d and their transposes over [N, C, *spatial]. Along the spatial dims each
+    output reads neighbours, which at a shard's edge live on the next rank; a grouped convolution whose
+    groups divide by P (a depthwise causal convolution, as in Mamba and gated-delta layers) runs on the
+    whole sequence for a block of the groups instead (Note [Redistribution])."""
     _materialize_all(a, node)
-    layout = a.layout(node.args[0])
-    if any(d >= 2 for d in layout.dims):
-        return a.refuse(
-            node,
-            "convolves along the sequence: outputs at a shard's edge need the neighbouring rank's tokens",
-            "Put the sequence in the batch or channel dim, or convolve in the data pipeline",
-        )
-    return layout
+    source = node.args[0]
+    layout = a.layout(source)
+    if layout.is_split and layout.split != 1:
+        layout = a.sequence_home(source)
+    if not layout.is_split and not any(d >= 2 for d in layout.dims):
+        return layout
+    args = bind(node, conv_signature(node))
+    groups, world = args.get("groups"), a.context.shard.world
+    if op_name(node).startswith("conv") and isinstance(groups, int) and groups % world == 0:
+        operands = [Operand(source, {d: d for d in range(ndim(source))}), Operand(args["weight"], {0: 1})]
+        if isinstance(args["bias"], fx.Node):
+            operands.append(Operand(args["bias"], {0: 1}))
+        regrouped = align(a, operands, 1, ndim(node))
+        if regrouped is not None:
+            a.plan.split_convolutions[node] = groups // world
+            return regrouped
+    return a.refuse(
+        node,
+        "convolves along the sequence: outputs at a shard's edge need the neighbouring rank's tokens, and "
+        f"its groups ({groups}) do not divide by sp_size={world} to run it on the whole sequence for a "
+        "block of the channels",
+        "Use a depthwise or grouped convolution with groups divisible by sp_size, put the sequence in the "
+        "batch or channel dim, or convolve in the data pipeline",
+    )
+
+
+def conv_signature(node: fx.Node) -> inspect.Signature:
+    return _CONV_SIGNATURES.get(op_name(node), _CONV_SIGNATURES["conv1d"])
+
+
+_CONV_SIGNATURES = {
+    name: inspect.signature(
+        lambda input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1: None  # noqa: A006
+    )
+    for name in ("conv1d", "conv2d", "conv3d")
+} | {
+    name: inspect.signature(
+        lambda input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1: None  # noqa: A006
+    )
+    for name in ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+}
 
 
 def norm_over_last(a, node: fx.Node) -> Layout:
@@ -169,49 +251,171 @@ def linear(a, node: fx.Node) -> Layout:
     return layout
 
 
+@handles_split
 def matmul(a, node: fx.Node) -> Layout:
     """matmul / @ / mm / bmm: contracts the last dim of the left with the second-last of the right."""
     _materialize_all(a, node)
     return _product(a, node, node.args[0], node.args[1])
 
 
+@handles_split
 def add_product(a, node: fx.Node) -> Layout:
-    """addmm / baddbmm (GPT-2's Conv1D): ``beta * input + alpha * (left @ right)`` with a replicated input."""
+    """addmm / baddbmm (GPT-2's Conv1D, Bloom's ALiBi scores): ``beta * input + alpha * (left @ right)``."""
     _materialize_all(a, node)
     bias, left, right = node.args[:3]
-    if a.layout(bias) != REPLICATE:
-        return a.refuse(node, "adds a product to a value that holds sequence data", "Add the bias separately")
-    return _product(a, node, left, right)
+    return _product(a, node, left, right, bias=bias)
 
 
-def _product(a, node: fx.Node, left: fx.Node, right: fx.Node) -> Layout:
-    lay_l, lay_r = a.layout(left), a.layout(right)
+def _matmul_operands(left: fx.Node, right: fx.Node, rank: int) -> list[Operand]:
+    """Where each dim of a matmul's operands goes in its output (batch dims broadcast from the right)."""
+    rank_l, rank_r = ndim(left), ndim(right)
+    to_left = {d: d + rank - rank_l for d in range(rank_l - 2)}
+    if rank_l >= 2:
+        to_left[rank_l - 2] = rank - 2 if rank_r >= 2 else rank - 1
+    to_right = {d: d + rank - rank_r for d in range(rank_r - 2)}
+    if rank_r >= 2:
+        to_right[rank_r - 1] = rank - 1
+    return [Operand(left, to_left), Operand(right, to_right)]
+
+
+def _product(a, node: fx.Node, left: fx.Node, right: fx.Node, bias: object = None) -> Layout:
     rank_l, rank_r, rank = ndim(left), ndim(right), ndim(node)
-    contracted = (
-        (rank_l - 1 in lay_l.dims)
-        or (rank_r >= 2 and rank_r - 2 in lay_r.dims)
-        or (rank_r == 1 and 0 in lay_r.dims)
-    )
-    if contracted:
-        return a.mixes(
-            node,
-            "multiplies matrices over the sequence dim (attention written by hand?)",
-            REPLICATE,
-            _ATTENTION_FIX,
-        )
+    operands = _matmul_operands(left, right, rank)
+    if isinstance(bias, fx.Node):
+        operands.append(broadcast(bias, rank))
+    batch = list(range(rank - 2))
+    regrouped = _product_of_split(a, operands, rank)
+    if regrouped is not None:
+        return regrouped
+    if isinstance(bias, fx.Node) and a.layout(bias) != REPLICATE and not _pairwise(a, left, right):
+        return a.refuse(node, "adds a product to a value that holds sequence data", "Add the bias separately")
+    lay_l, lay_r = a.layout(left), a.layout(right)
+    contracted_l = rank_l - 1 in lay_l.dims
+    contracted_r = (rank_r >= 2 and rank_r - 2 in lay_r.dims) or (rank_r == 1 and 0 in lay_r.dims)
+    if contracted_l or contracted_r:
+        if _sum_over_tokens(a, node, left, right, contracted_l and contracted_r) and bias is None:
+            return PARTIAL
+        what = "multiplies matrices over the sequence dim (attention written by hand?)"
+        return _split_or_refuse(a, node, operands, batch, rank, what, REPLICATE)
     dims = {d + rank - rank_l for d in lay_l.dims}
     if rank_r >= 2:
         dims |= {d + rank - rank_r for d in lay_r.dims if d != rank_r - 1} | (
             {rank - 1} if rank_r - 1 in lay_r.dims else set()
         )
-    if rank_l >= 2 and rank_l - 2 in lay_l.dims and rank_r >= 2 and rank_r - 1 in lay_r.dims:
-        return a.mixes(
-            node,
-            "forms a [tokens x tokens] matrix of activations (attention written by hand?)",
-            shard(*dims),
-            _ATTENTION_FIX,
-        )
+    if _pairwise(a, left, right):
+        what = "forms a [tokens x tokens] matrix of activations (attention written by hand?)"
+        return _split_or_refuse(a, node, operands, batch, rank, what, shard(*dims))
     return shard(*dims)
+
+
+def _pairwise(a, left: fx.Node, right: fx.Node) -> bool:
+    rank_l, rank_r = ndim(left), ndim(right)
+    lay_l, lay_r = a.layout(left), a.layout(right)
+    return rank_l >= 2 and rank_l - 2 in lay_l.dims and rank_r >= 2 and rank_r - 1 in lay_r.dims
+
+
+def _sum_over_tokens(a, node: fx.Node, left: fx.Node, right: fx.Node, both: bool) -> bool:
+    """``k^T @ v`` over this rank's tokens, both sharded along the contracted dim only: a partial sum
+    (the state of linear attention without a causal mask)."""
+    lay_l, lay_r = a.layout(left), a.layout(right)
+    return (
+        both
+        and lay_l.kind == lay_r.kind == "shard"
+        and len(lay_l.dims) == len(lay_r.dims) == 1
+        and not lay_l.flat
+        and not lay_r.flat
+        and node not in a.token_data
+    )
+
+
+def _product_of_split(a, operands: list[Operand], rank: int) -> Layout | None:
+    """A product with a split operand stays split along a dim it does not contract; else the split
+    operands go back to sequence shards."""
+    split_side = split_operands(a, operands)
+    if not split_side:
+        return None
+    out_dim = split_side[0].to_out.get(a.layout(split_side[0].node).split)
+    regrouped = align(a, operands, out_dim, rank) if out_dim is not None else None
+    if regrouped is None:
+        for operand in split_side:
+            a.sequence_home(operand.node)
+    return regrouped
+
+
+def _split_or_refuse(
+    a, node: fx.Node, operands: list[Operand], batch: list[int], rank: int, what: str, out: Layout
+) -> Layout:
+    """An op that relates tokens to tokens: on the whole sequence for a block of a batch dim (heads),
+    else refused (token data: recomputed)."""
+    if node not in a.token_data:
+        out_dim = choose(a, operands, batch)
+        regrouped = align(a, operands, out_dim, rank) if out_dim is not None else None
+        if regrouped is not None:
+            return regrouped
+    return a.mixes(node, what, out, _no_split_fix(a, operands[0].node, _ATTENTION_FIX))
+
+
+@handles_split
+def einsum(a, node: fx.Node) -> Layout:
+    """einsum: per token when every sharded operand carries the sequence letter into the output; a sum
+    over tokens (``PARTIAL``) when the letter is summed; anything relating tokens to tokens runs on the
+    whole sequence for a block of a letter every operand shares (Note [Redistribution])."""
+    equation, operands = _einsum_parts(node)
+    if equation is None or "." in equation:
+        return a.refuse(
+            node,
+            "uses an einsum with '...' or in a form the pass does not parse",
+            "Spell out every dim's letter (e.g. 'bhsd,bhtd->bhst')",
+        )
+    _materialize_all(a, node)
+    inputs, out = _einsum_letters(equation)
+    rank = len(out)
+    mapped = [
+        Operand(op, {d: out.index(letter) if letter in out else None for d, letter in enumerate(letters)})
+        for op, letters in zip(operands, inputs)
+    ]
+    regrouped = _product_of_split(a, mapped, rank)
+    if regrouped is not None:
+        return regrouped
+    layouts = [a.layout(op) for op in operands]
+    sequence = {letters[d] for letters, layout in zip(inputs, layouts) for d in layout.dims}
+    if not sequence:
+        return REPLICATE
+    if len(sequence) == 1 and all(layout.kind in ("shard", "replicate") for layout in layouts):
+        (letter,) = sequence
+        plain = all(len(layout.dims) == 1 and not layout.flat for layout in layouts if layout.kind == "shard")
+        replicated = [letters for letters, layout in zip(inputs, layouts) if layout.kind == "replicate"]
+        if plain and not any(letter in letters for letters in replicated):
+            return shard(out.index(letter)) if letter in out else PARTIAL  # per token, or summed over them
+    candidates = [out.index(letter) for letter in out if letter not in sequence]
+    return _split_or_refuse(
+        a,
+        node,
+        mapped,
+        candidates,
+        rank,
+        "relates tokens to tokens (einsum)",
+        shard(*[out.index(letter) for letter in sequence if letter in out]),
+    )
+
+
+def _einsum_parts(node: fx.Node) -> tuple[str | None, list[fx.Node]]:
+    args = list(node.args)
+    if not args or not isinstance(args[0], str):
+        return None, []
+    operands = args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    return args[0].replace(" ", ""), [op for op in operands if isinstance(op, fx.Node)]
+
+
+def _einsum_letters(equation: str) -> tuple[list[str], str]:
+    left, _, out = equation.partition("->")
+    inputs = left.split(",")
+    if "->" not in equation:  # implicit output: the letters used once, in order
+        letters = "".join(inputs)
+        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return inputs, out
 
 
 def embedding(a, node: fx.Node) -> Layout:
@@ -235,6 +439,7 @@ _MEANS = {"mean", "nanmean"}
 _EXTREMA = {"amax": "max", "amin": "min", "max": "max", "min": "min", "any": "max", "all": "min"}
 
 
+@handles_split
 def reduction(a, node: fx.Node) -> object:
     """sum / mean / amax / amin / max / min / any / all / prod / std / var / norm / logsumexp / argmax..."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -252,8 +457,16 @@ def reduction(a, node: fx.Node) -> object:
             return PARTIAL
         a.materialize(source)
         return REPLICATE
+    if layout.is_split and layout.split in reduced:
+        if set(layout.dims) <= set(reduced) and name in _SUMS | _MEANS - {"count_nonzero"}:
+            if name in _MEANS:  # over the dims' whole sizes, as traced
+                a.plan.reductions.append(node)
+            return PARTIAL  # the sums of the ranks' blocks add up to the whole sum
+        layout = a.sequence_home(source)
     where = reduced_positions(rank, reduced, keepdim)
     remaining = layout.mapped(where)
+    if layout.is_split:  # its sequence is whole: reduced here completely, for this rank's block
+        return (remaining, remaining) if returns_indices else remaining
     over_sequence = set(reduced) & set(layout.dims)
     if not over_sequence:
         return (remaining, remaining) if returns_indices else remaining
@@ -277,8 +490,16 @@ def reduction(a, node: fx.Node) -> object:
             )
         a.plan.extrema.append(node)
         return (REPLICATE, REPLICATE) if returns_indices else REPLICATE
+    if node not in a.token_data:  # std, logsumexp, median...: on the whole sequence for a block
+        operand = Operand(source, {d: d for d in range(rank)})
+        out_dim = choose(a, [operand], [d for d in range(rank) if d not in reduced])
+        regrouped = align(a, [operand], out_dim, rank) if out_dim is not None else None
+        if regrouped is not None:
+            return reduction(a, node)
     out = (REPLICATE, REPLICATE) if returns_indices else REPLICATE
-    return a.mixes(node, f"reduces ({name}) over the sequence", out, "Reduce with sum, mean, max or min")
+    return a.mixes(
+        node, f"reduces ({name}) over the sequence", out, _no_split_fix(a, source, "Reduce with sum or mean")
+    )
 
 
 def _indices_used(node: fx.Node) -> bool:

@@ -14,8 +14,9 @@ from torch import fx
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import flatten, index_items, meta_value
-from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard
+from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard, split
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, tensor_nodes
+from lightning_autosp.compiler.rules.split import handles_split
 
 _INDEX_FIX = "Index along the sequence in the data pipeline, or keep the op per token"
 
@@ -35,6 +36,7 @@ def _partial_passes(a, node: fx.Node) -> Layout | None:
 # views
 
 
+@handles_split
 def view(a, node: fx.Node) -> Layout:
     """view / reshape / flatten / unflatten / squeeze / unsqueeze / view_as / reshape_as."""
     a.shape_use(*node.args[1:], *node.kwargs.values())
@@ -44,14 +46,22 @@ def view(a, node: fx.Node) -> Layout:
     source = node.args[0]
     layout = a.layout(source)
     in_shape, out_shape = a.shape(source), a.shape(node)
-    if in_shape is None or out_shape is None or layout.kind not in ("shard", "global"):
+    if in_shape is None or out_shape is None or layout.kind not in ("shard", "global", "split"):
         return layout
     if layout.kind == "global":  # a mask handed on whole: its sizes are the global ones
         a.plan.global_shapes[node] = None
     hints_in = [symbols.hint(v) for v in meta_value(source).shape]
     hints_out = [symbols.hint(v) for v in meta_value(node).shape]
+    groups = _view_groups(hints_in, hints_out)
+    split_dim = None
+    if layout.is_split:
+        split_dim = _split_through_view(a, layout.split, groups, hints_in, hints_out, layout.dims)
+        if split_dim is None:  # its block is not one block of the new shape: back to sequence shards
+            a.sequence_home(source)
+            return view(a, node)
+        a.plan.split_shapes[node] = None
     dims, flat = set(), set()
-    for group_in, group_out in _view_groups(hints_in, hints_out):
+    for group_in, group_out in groups:
         seq_in = [d for d in group_in if d in layout.dims]
         if not seq_in:
             continue
@@ -68,7 +78,25 @@ def view(a, node: fx.Node) -> Layout:
         merged = len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in seq_in)
         if merged or any(d in layout.flat for d in seq_in) and len(group_out) == 1:
             flat.add(out_dim)
+    if split_dim is not None:
+        return split(split_dim, *sorted(dims), flat=tuple(sorted(flat)))
     return Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+
+
+def _split_through_view(
+    a, dim: int, groups: list, hints_in: list[int], hints_out: list[int], sequence: tuple[int, ...]
+) -> int | None:
+    """Where a split dim goes through a view: its blocks stay blocks when it is the outermost dim (of
+    size > 1) of its group and the outermost dim of the group's output cuts into P blocks too."""
+    for group_in, group_out in groups:
+        if dim not in group_in:
+            continue
+        outer_in = [d for d in group_in if hints_in[d] != 1]
+        outer_out = [d for d in group_out if hints_out[d] != 1]
+        if any(d in sequence for d in group_in) or not outer_in or outer_in[0] != dim or not outer_out:
+            return None
+        return outer_out[0] if hints_out[outer_out[0]] % a.context.shard.world == 0 else None
+    return None
 
 
 def _view_groups(shape_in: list[int], shape_out: list[int]) -> list[tuple[list[int], list[int]]]:
@@ -99,6 +127,7 @@ def _view_groups(shape_in: list[int], shape_out: list[int]) -> list[tuple[list[i
     return groups
 
 
+@handles_split
 def permute(a, node: fx.Node) -> Layout:
     """permute / transpose / swapaxes / movedim / t / T / mT."""
     partial = _partial_passes(a, node)
@@ -126,6 +155,7 @@ def permute(a, node: fx.Node) -> Layout:
     return layout.mapped({old: new for new, old in enumerate(order)})
 
 
+@handles_split
 def expand(a, node: fx.Node) -> Layout:
     """expand / expand_as / broadcast_to / repeat: a new sequence-sized dim repeats one value."""
     a.shape_use(*node.args[1:], *node.kwargs.values())
@@ -137,6 +167,13 @@ def expand(a, node: fx.Node) -> Layout:
     offset = ndim(node) - ndim(source)
     dims = {d + offset for d in layout.dims}
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if layout.is_split:
+        if name == "repeat":
+            a.sequence_home(source)
+            return expand(a, node)
+        a.plan.split_shapes[node] = None
+        flat = tuple(d + offset for d in layout.flat)
+        return split(layout.split + offset, *(dims | _sequence_dims_of_output(a, node)), flat=flat)
     if name == "repeat":
         repeats = [
             symbols.hint(meta_value(r) if isinstance(r, fx.Node) else r) for r in flatten(list(node.args[1:]))
@@ -154,6 +191,7 @@ def expand(a, node: fx.Node) -> Layout:
 # slices and indexing
 
 
+@handles_split
 def getitem(a, node: fx.Node) -> object:
     source, index = node.args
     layouts = a.layouts.get(source)
@@ -167,6 +205,8 @@ def getitem(a, node: fx.Node) -> object:
     tensor_items = [
         item for item in items if isinstance(item, fx.Node) and isinstance(meta_value(item), torch.Tensor)
     ]
+    if a.layout(source).is_split:
+        return _getitem_of_split(a, node, items, tensor_items)
     if tensor_items:
         return _advanced_index(a, node, items, tensor_items)
     a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
@@ -194,12 +234,7 @@ def getitem(a, node: fx.Node) -> object:
             out_dim += 1
         else:  # an int: selects one position
             if in_dim in layout.dims:
-                return a.mixes(
-                    node,
-                    "selects single positions",
-                    layout.mapped(where),
-                    "Pool over the sequence (e.g. a mean) or select the position in the data pipeline",
-                )
+                return _position(a, node, layout, layout.mapped(where))
             where[in_dim] = None
         in_dim += 1
     if len(table_dims) == 1:
@@ -210,6 +245,30 @@ def getitem(a, node: fx.Node) -> object:
         if layout.kind != "shard" or layout.is_pairwise:
             return a.mixes(node, "slices a mask along the sequence", layout.mapped(where), _INDEX_FIX)
         a.plan.slices.append(node)
+    return layout.mapped(where)
+
+
+def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Layout:
+    """Basic indexing of a split value: its sequence dims are whole, so any slice of them is taken as
+    written (at the global length); the split dim itself must stay whole."""
+    source = node.args[0]
+    layout = a.layout(source)
+    a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
+    where, in_dim, out_dim = {}, 0, 0
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        whole = isinstance(item, slice) and _is_full(a, item)
+        if tensor_items or (in_dim == layout.split and not whole):
+            a.sequence_home(source)
+            return getitem(a, node)
+        if isinstance(item, slice):
+            where[in_dim] = out_dim
+            out_dim += 1
+        else:
+            where[in_dim] = None
+        in_dim += 1
     return layout.mapped(where)
 
 
@@ -245,7 +304,14 @@ def _advanced_index(a, node: fx.Node, items: list, tensor_items: list[fx.Node]) 
         isinstance(item, slice) and d in layout.dims and not _is_full(a, item) for d, item in enumerate(items)
     )
     index_layouts = [a.layout(t) for t in tensor_items]
-    if len(tensor_items) > 1 or cut or any(d in layout.dims for d in indexed):
+    for tensor in tensor_items:
+        a.materialize(tensor)
+    index_layouts = [a.layout(t) for t in tensor_items]
+    along = [d for d in indexed if d in layout.dims]
+    if along and not cut and all(x == REPLICATE for x in index_layouts) and a.context.shard.is_contiguous:
+        # positions of the whole sequence (a classifier's last token): each rank picks those it holds
+        return _position(a, node, layout, REPLICATE)
+    if len(tensor_items) > 1 or cut or along:
         out = shard(*_sequence_dims_of_output(a, node))
         return a.mixes(node, "indexes along the sequence with a tensor of indices", out, _INDEX_FIX)
     if layout.kind not in ("shard", "replicate") or index_layouts[0].kind not in ("shard", "replicate"):
@@ -283,8 +349,23 @@ def select(a, node: fx.Node) -> Layout:
     dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
     where = {d: (d if d < dim else d - 1) for d in range(rank) if d != dim}
     if dim in layout.dims:
-        return a.mixes(node, "selects single positions", layout.mapped(where), _INDEX_FIX)
+        return _position(a, node, layout, layout.mapped(where))
     return layout.mapped(where)
+
+
+def _position(a, node: fx.Node, layout: Layout, out: Layout) -> Layout:
+    """Positions picked along the sequence of an activation (``x[:, -1]``, ``x[arange(B), last]``): the
+    rank holding a position gives it, the others zeros, so the result is a partial sum (DTensor's
+    ``Partial``) that one all-reduce makes whole where it is needed (``slices.py``: selections)."""
+    if node in a.token_data or layout.kind != "shard" or len(layout.dims) != 1 or layout.flat:
+        return a.mixes(
+            node,
+            "selects single positions",
+            out,
+            "Pool over the sequence (e.g. a mean) or select the position in the data pipeline",
+        )
+    a.plan.selections.append(node)
+    return PARTIAL
 
 
 def index_along(a, node: fx.Node) -> Layout:
@@ -384,7 +465,8 @@ def stack(a, node: fx.Node) -> Layout:
     return layouts[0].mapped({d: (d if d < dim else d + 1) for d in range(ndim(node) - 1)})
 
 
-def split(a, node: fx.Node) -> tuple[Layout, ...]:
+@handles_split
+def pieces(a, node: fx.Node) -> tuple[Layout, ...]:
     """split / chunk / tensor_split / split_with_sizes / unbind: a tuple of pieces."""
     a.shape_use(*node.args[1:], *node.kwargs.values())
     source, rank = node.args[0], ndim(node.args[0])
@@ -392,15 +474,17 @@ def split(a, node: fx.Node) -> tuple[Layout, ...]:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     dim_arg = arg(node, 1, "dim", 0) if name == "unbind" else arg(node, 2, "dim", 0)
     dim = normalize_dims(dim_arg, rank)[0]
-    pieces = len(meta_value(node)) if isinstance(meta_value(node), (tuple, list)) else 1
+    count = len(meta_value(node)) if isinstance(meta_value(node), (tuple, list)) else 1
     if layout == PARTIAL:
-        return (PARTIAL,) * pieces
-    if dim in layout.dims:
+        return (PARTIAL,) * count
+    if layout.is_split and dim == layout.split:
+        layout = a.sequence_home(source)
+    if dim in layout.dims and not layout.is_split:  # a split value's sequence is whole
         a.refuse(node, "splits the sequence into pieces", "Split along other dims")
-        return (layout,) * pieces
+        return (layout,) * count
     if name == "unbind":
         layout = layout.mapped({d: (d if d < dim else d - 1) for d in range(rank) if d != dim})
-    return (layout,) * pieces
+    return (layout,) * count
 
 
 # --------------------------------------------------------------------------------------------------

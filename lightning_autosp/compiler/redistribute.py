@@ -1,0 +1,98 @@
+"""Lowering of the analysis' redistributions (Note [Redistribution] in ``analysis.py``).
+
+Each ``Redistribution`` names a value, the op that needs it, and the layout it needs; this pass inserts
+the move in front of that op and points the op at it. A value several ops need in the same layout moves
+once. Before (``x`` sharded along the sequence, ``cumsum`` along it)::
+
+    x [B, S_r, C] -> cumsum(1) -> [B, S_r, C]
+
+After (split over the channels, C / P each)::
+
+    x [B, S_r, C] -> seq_to_head(2, 1) -> [B, S, C/P] -> cumsum(1) -> head_to_seq(2, 1) -> [B, S_r, C]
+
+Ops on split values whose arguments spell out sizes (views, expands) get this rank's sizes: the whole
+sequence, 1/P of the split dim. Grouped convolutions on split channels run 1/P of their groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from lightning_autosp.compiler import ops
+from lightning_autosp.compiler.analysis import Analysis, Redistribution
+from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.fx_utils import bind, meta_value
+from lightning_autosp.compiler.recompute import GlobalCopier
+from lightning_autosp.compiler.rules.reductions import conv_signature
+
+
+def redistribute_pass(gm: fx.GraphModule, copier: GlobalCopier, ctx: SPContext) -> list[str]:
+    """Insert every move the plan lists; returns a line per move for ``explain()``."""
+    analysis, graph = copier.analysis, gm.graph
+    moved: dict[tuple[fx.Node, object, str], fx.Node] = {}
+    current: dict[tuple[fx.Node, fx.Node], fx.Node] = {}  # (value, user) -> what the user reads now
+    lines = []
+    for move in analysis.plan.redistributions:
+        if move.user not in graph.nodes:
+            continue
+        source = current.get((move.value, move.user), move.value)
+        key = (source, move.target, move.via)
+        if key not in moved:
+            moved[key] = _move(graph, copier, ctx, move, source)
+        move.user.replace_input_with(source, moved[key])
+        current[(move.value, move.user)] = moved[key]
+        lines.append(str(move))
+    _local_sizes(graph, analysis, ctx)
+    for node, groups in analysis.plan.split_convolutions.items():
+        args = bind(node, conv_signature(node))
+        args["groups"] = groups
+        node.args, node.kwargs = tuple(args.values()), {}
+    return lines
+
+
+def _move(graph: fx.Graph, copier: GlobalCopier, ctx: SPContext, move: Redistribution, x: fx.Node) -> fx.Node:
+    source, target = move.source, move.target
+    if move.via == "recompute":  # token data: the whole sequence, then this rank's block
+        whole = copier.copy(move.value)
+        return _block(graph, whole, target, ctx, before=move.user) if target.is_split else whole
+    if move.via == "narrow":
+        return _block(graph, x, target, ctx, before=move.user)
+    if move.via == "all_reduce":
+        return _insert(graph, ops.all_reduce_sum, (x, ctx.group_name), before=move.user)
+    if target.is_split:  # shard -> split
+        args = (x, target.split, source.dims[0], *ctx.comm_args)
+        return _insert(graph, ops.seq_to_head, args, before=move.user)
+    args = (x, source.split, target.dims[0], *ctx.comm_args)
+    return _insert(graph, ops.head_to_seq, args, before=move.user)
+
+
+def _block(graph: fx.Graph, x: fx.Node, target, ctx: SPContext, *, before: fx.Node) -> fx.Node:
+    """This rank's block of ``x`` along the split dim of ``target``."""
+    per_rank = int(meta_value(x).shape[target.split]) // ctx.shard.world
+    return _insert(graph, torch.narrow, (x, target.split, ctx.shard.rank * per_rank, per_rank), before=before)
+
+
+def _insert(graph: fx.Graph, target: object, args: tuple, *, before: fx.Node) -> fx.Node:
+    """A move, recorded with its input's traced value: values keep their traced shapes (this rank's
+    tokens, every head) until the pass ends and propagates real ones, whatever their layout."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+    node.meta["example_value"] = meta_value(args[0])
+    return node
+
+
+def _local_sizes(graph: fx.Graph, analysis: Analysis, ctx: SPContext) -> None:
+    """Views and expands of split values take this rank's sizes: every length global, 1/P of the split
+    dim (the traced sizes are this rank's tokens of every head)."""
+    for node in analysis.plan.split_shapes:
+        if node not in graph.nodes:
+            continue
+        layout, shape = analysis.layouts[node], analysis.shape(node)
+        local = [analysis.global_value(size) for size in shape]
+        local[layout.split] //= ctx.shard.world
+        method = "expand" if node.target in ("expand", "expand_as", "broadcast_to") else "reshape"
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "broadcast_to":
+            method = "expand"
+        node.op, node.target = "call_method", method
+        node.args, node.kwargs = (node.args[0], *local), {}
