@@ -58,7 +58,7 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import find_flash_attention
 from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name, source_line
 from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag, shard
-from lightning_autosp.compiler.rules import RULES
+from lightning_autosp.compiler.rules import RULES, dispatch
 
 log = logging.getLogger(__name__)
 
@@ -451,12 +451,28 @@ class Analysis:
                 "issue with this op",
             )
             return
+        if not getattr(rule, "handles_local_order", False) and any(
+            isinstance(arg, fx.Node) and self.layout(arg).is_local_order for arg in args
+        ):
+            self.layouts[node] = self.refuse(
+                node,
+                "takes rows of this rank's tokens in a mixture of experts' order, which this op does not "
+                "keep apart",
+                dispatch.FIX,
+            )
+            return
         if not getattr(rule, "handles_split", False):
             # Its rule knows sequence shards only: split inputs come back to this rank's tokens first.
             for arg in args:
                 if isinstance(arg, fx.Node) and self.layout(arg).is_split:
                     self.sequence_home(arg)
         self.layouts[node] = rule(self, node)
+        if REFUSED in flatten([self.layouts[node]]) and not any(r.node is node for r in self.refusals):
+            self.refuse(  # a layout the rule could not follow (a dim it tracks moved away): never silent
+                node,
+                f"moves a dim its input's layout tracks ({', '.join(str(self.layout(x)) for x in args)})",
+                "Keep the sequence (or heads, or rows) dim in place around this op",
+            )
         for arg in args:  # every sequence size not used as a shape is used as a value
             if isinstance(arg, fx.Node) and arg in self.sizes and arg not in self._shape_uses:
                 self.plan.value_sizes[(node, arg)] = None

@@ -19,6 +19,8 @@ Note [Sequence layouts]
       (Note [Redistribution] in ``analysis.py``).
     - ``CAUSAL``: a mask that is exactly causal, handed to the next graph as this tag; attention
       drops it for ``is_causal=True``.
+    - ``rows(order)``, ``inverse(order)``, ``counts(order)``: this rank's tokens in another order, as a
+      mixture of experts dispatches them (Note [Local token permutations] in ``rules/dispatch.py``).
 
     The analysis (``analysis.py``) gives every value of a graph a layout, from its inputs' layouts
     and one rule per op (``rules.py``); a value between graphs (a graph break, DDP's buckets) carries
@@ -33,7 +35,9 @@ from typing import Literal
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-Kind = Literal["replicate", "shard", "partial", "global", "split", "causal", "refused"]
+Kind = Literal[
+    "replicate", "shard", "partial", "global", "split", "rows", "inverse", "counts", "causal", "refused"
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Layout:
     dims: tuple[int, ...] = ()
     flat: tuple[int, ...] = ()
     split: int | None = None
+    order: object = None  # rows / inverse / counts: the sort that ordered this rank's tokens
 
     @property
     def is_shard(self) -> bool:
@@ -66,6 +71,10 @@ class Layout:
         if self.kind == "split":
             moved = where.get(self.split)
             return Layout("split", dims, flat, moved) if moved is not None else REFUSED
+        if self.kind in ("rows", "inverse"):  # dim 0 runs over the tokens
+            return self if where.get(0) == 0 else REFUSED
+        if self.kind == "counts":
+            return self
         if self.kind in ("shard", "global") and not dims:
             return REPLICATE
         return Layout(self.kind, dims, flat)
@@ -76,7 +85,13 @@ class Layout:
             return f"split({self.split}{whole})"
         if self.kind in ("shard", "global"):
             return f"{self.kind}({', '.join(map(str, self.dims))})"
+        if self.order is not None:
+            return f"{self.kind}(by {getattr(self.order, 'name', self.order)})"
         return self.kind
+
+    @property
+    def is_local_order(self) -> bool:
+        return self.kind in ("rows", "inverse", "counts")
 
 
 REPLICATE = Layout("replicate")
@@ -92,6 +107,11 @@ def shard(*dims: int, flat: tuple[int, ...] = ()) -> Layout:
 
 def global_(*dims: int) -> Layout:
     return Layout("global", tuple(sorted(dims))) if dims else REPLICATE
+
+
+def rows(order: object, kind: Kind = "rows") -> Layout:
+    """This rank's tokens in the order ``order`` (a sort node) put them (Note [Sequence layouts])."""
+    return Layout(kind, order=order)
 
 
 def split(dim: int, *sequence_dims: int, flat: tuple[int, ...] = ()) -> Layout:

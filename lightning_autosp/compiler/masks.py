@@ -18,7 +18,6 @@ Note [Masks over the whole sequence]
 from __future__ import annotations
 
 import logging
-import operator
 
 import torch
 from torch import fx
@@ -64,14 +63,15 @@ def attention_mask(
 def _this_ranks_heads(
     graph: fx.Graph, mask: fx.Node, ctx: SPContext, heads: int, before: fx.Node, like: fx.Node | None = None
 ) -> fx.Node:
-    """A [B, H, S, S] mask keeps the heads this rank attends for after the all-to-all."""
+    """A mask with a heads dim ([B, H, S, S], ALiBi's [H, S, S]: the dim before the last two) keeps the
+    heads this rank attends for after the all-to-all."""
     value = example_value(like if like is not None else mask)
-    if value is None or value.dim() != 4 or value.shape[1] != heads or heads == 1:
+    if value is None or value.dim() < 3 or value.shape[-3] != heads or heads == 1:
         return mask
     per_rank = heads // ctx.shard.ulysses_degree
     start = ctx.shard.ulysses_rank * per_rank
     with graph.inserting_before(before):
-        return call(graph, operator.getitem, (mask, (slice(None), slice(start, start + per_rank))))
+        return call(graph, torch.narrow, (mask, value.dim() - 3, start, per_rank))
 
 
 def _sharded_inputs(copier: GlobalCopier, node: fx.Node) -> list[fx.Node]:

@@ -33,6 +33,7 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import meta_value
 from lightning_autosp.compiler.layout import SequenceTags, Tag
 from lightning_autosp.compiler.losses import losses_pass
+from lightning_autosp.compiler.normalize import normalize_pass
 from lightning_autosp.compiler.positions import lengths_pass, positions_pass
 from lightning_autosp.compiler.recompute import GlobalCopier, recompute_pass
 from lightning_autosp.compiler.redistribute import redistribute_pass
@@ -56,11 +57,13 @@ class SPReport:
     recomputed: list[str] = field(default_factory=list)
     losses: list[str] = field(default_factory=list)
     redistributions: list[str] = field(default_factory=list)
+    normalized: list[str] = field(default_factory=list)
     layouts: list[str] = field(default_factory=list)
     output_tags: list[Tag | None] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        out = [f"attention nodes: {len(self.attention)} ({', '.join(self.attention) or 'none'})"]
+        out = [*self.normalized]
+        out.append(f"attention nodes: {len(self.attention)} ({', '.join(self.attention) or 'none'})")
         out.append(f"all-to-alls inserted: {self.all_to_alls}")
         for title, items in (
             ("ring attention (K/V passed around the ring group)", self.ring_attention),
@@ -99,6 +102,7 @@ def sequence_parallel_pass(
     report = SPReport()
     shape_env = symbols.graph_shape_env(gm, example_inputs)
     traced_guards = symbols.guard_count(shape_env)  # the pass must add none; it checks Dynamo's
+    report.normalized = normalize_pass(gm).lines()
     analysis = Analysis(gm, example_inputs, ctx, tags).run()
     if check_guards:
         analysis.check_guards(shape_env, traced_guards)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_autosp.compiler.rules import elementwise, reductions, shapes
+from lightning_autosp.compiler.rules import dispatch, elementwise, reductions, shapes
 
 Rule = Callable[..., object]
 
@@ -68,6 +68,7 @@ def _table() -> dict[str, Rule]:
         reductions.reduction,
     )
     add("histc bincount", reductions.histogram)
+    add("grouped_mm _grouped_mm grouped_mm_fallback", dispatch.grouped_mm)
     add("cross_entropy nll_loss", reductions.class_loss)
     add(
         "mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits "
@@ -76,7 +77,8 @@ def _table() -> dict[str, Rule]:
     )
     add("scaled_dot_product_attention", reductions.sdpa)
     add("autograd_function_apply _flash_attn_forward _flash_attn_varlen_forward", reductions.flash)
-    add("tag_activation_checkpoint wrap cond invoke_subgraph while_loop map_impl", reductions.refuse_subgraph)
+    add("cond invoke_subgraph while_loop map_impl", reductions.refuse_subgraph)
+    add("multi_head_attention_forward", reductions.refuse_attention_weights)
     return rules
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import fx
 
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, global_, shard
+from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import ndim, tensor_nodes
 from lightning_autosp.compiler.rules.split import broadcast, handles_split, home_or_align
 
@@ -46,6 +47,7 @@ _LINEAR_IN_ALL = {"add", "sub", "subtract", "iadd", "isub", "neg", "negative", "
 _CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "detach"}
 
 
+@dispatch.handles_local_order
 @handles_split
 def pointwise(a, node: fx.Node) -> Layout:
     tensors = tensor_nodes([*node.args, *node.kwargs.values()])
@@ -54,6 +56,9 @@ def pointwise(a, node: fx.Node) -> Layout:
     if regrouped is not None:
         return regrouped
     layouts = [a.layout(t) for t in tensors]
+    permuted = dispatch.elementwise(a, node, layouts)
+    if permuted is not None:
+        return permuted
     if PARTIAL in layouts:
         if _linear_in_partial(node, tensors, layouts):
             return PARTIAL
@@ -88,6 +93,7 @@ def pointwise(a, node: fx.Node) -> Layout:
     return shard(*local, flat=tuple(flat & local))
 
 
+@dispatch.handles_local_order
 def in_place(a, node: fx.Node) -> Layout:
     result = pointwise(a, node)
     target = node.args[0] if node.args else None

@@ -15,6 +15,7 @@ from torch import fx
 
 from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, shard
+from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, reduced_positions, tensor_nodes
 from lightning_autosp.compiler.rules.elementwise import pointwise
 from lightning_autosp.compiler.rules.split import (
@@ -53,6 +54,8 @@ def along_dim(
     layout = a.layout(source)
     rank = ndim(source)
     dims = normalize_dims(dim, rank)
+    if layout.kind in ("rows", "inverse") and 0 in dims:
+        return a.refuse(node, f"{what} across rows of this rank's tokens ({layout})", dispatch.FIX)
     if layout.is_split and layout.split in dims and not keeps_blocks:
         layout = a.sequence_home(source)
     if set(dims) & set(layout.dims) and layout.kind == "shard" and node not in a.token_data:
@@ -76,16 +79,19 @@ def _no_split_fix(a, source: fx.Node, fix: str) -> str:
     )
 
 
+@dispatch.handles_local_order
 @handles_split
 def softmax(a, node: fx.Node) -> Layout:
     return along_dim(a, node, arg(node, 1, "dim"), "normalizes (softmax)", _ATTENTION_FIX)
 
 
+@dispatch.handles_local_order
 @handles_split
 def normalize(a, node: fx.Node) -> Layout:
     return along_dim(a, node, arg(node, 2, "dim", 1), "normalizes", "Normalize over the hidden dim")
 
 
+@dispatch.handles_local_order
 @handles_split
 def scan(a, node: fx.Node) -> object:
     """cumsum / cumprod / cummax / cummin / logcumsumexp."""
@@ -101,12 +107,16 @@ def scan(a, node: fx.Node) -> object:
     )
 
 
+@dispatch.handles_local_order
 @handles_split
 def sort(a, node: fx.Node) -> object:
     """sort / argsort / topk / kthvalue / msort: values (and indices) along a dim."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     index = {"topk": 2, "kthvalue": 2}.get(name, 1)
     tuple_out = 0 if name in ("argsort", "msort") else 2
+    dims = normalize_dims(arg(node, index, "dim", -1), ndim(node.args[0]))
+    if name in ("sort", "argsort") and dispatch.sorts_local_tokens(a, node, dims):
+        return dispatch.sorted_rows(a, node, tuple_out)
     return along_dim(
         a,
         node,
@@ -117,11 +127,13 @@ def sort(a, node: fx.Node) -> object:
     )
 
 
+@dispatch.handles_local_order
 @handles_split
 def flip(a, node: fx.Node) -> Layout:
     return along_dim(a, node, arg(node, 1, "dims"), "reverses", "Reverse in the data pipeline")
 
 
+@dispatch.handles_local_order
 @handles_split
 def roll(a, node: fx.Node) -> Layout:
     dims = arg(node, 2, "dims")
@@ -130,6 +142,7 @@ def roll(a, node: fx.Node) -> Layout:
     return along_dim(a, node, dims, "rolls values", "Shift with slices (x[:, 1:]) or in the data pipeline")
 
 
+@dispatch.handles_local_order
 @handles_split
 def diff(a, node: fx.Node) -> Layout:
     return along_dim(
@@ -137,6 +150,7 @@ def diff(a, node: fx.Node) -> Layout:
     )
 
 
+@dispatch.handles_local_order
 @handles_split
 def repeat_interleave(a, node: fx.Node) -> Layout:
     """Repeats along a dim (K/V heads for grouped-query attention); along the sequence it mixes."""
@@ -147,6 +161,7 @@ def repeat_interleave(a, node: fx.Node) -> Layout:
     return along_dim(a, node, dim, "repeats values", "Repeat along other dims", keeps_blocks=True)
 
 
+@dispatch.handles_local_order
 @handles_split
 def triangle(a, node: fx.Node) -> Layout:
     """tril / triu over the last two dims: a mask's [S_r, S_r] block stays a mask; one sequence dim mixes."""
@@ -154,6 +169,8 @@ def triangle(a, node: fx.Node) -> Layout:
     layout = a.layout(node.args[0])
     rank = ndim(node.args[0])
     last_two = {rank - 2, rank - 1}
+    if layout.is_local_order and 0 in last_two:
+        return a.refuse(node, f"keeps a triangle across rows of this rank's tokens ({layout})", dispatch.FIX)
     if layout.is_split and layout.split in last_two:
         a.sequence_home(node.args[0])
         return triangle(a, node)
@@ -215,6 +232,7 @@ _CONV_SIGNATURES = {
 }
 
 
+@dispatch.handles_local_order
 def norm_over_last(a, node: fx.Node) -> Layout:
     """layer_norm / rms_norm: normalized over the trailing ``normalized_shape`` dims."""
     _materialize_all(a, node)
@@ -240,6 +258,7 @@ def norm_over_channels(a, node: fx.Node) -> Layout:
     return layout
 
 
+@dispatch.handles_local_order
 def linear(a, node: fx.Node) -> Layout:
     layouts = _materialize_all(a, node)
     source = node.args[0]
@@ -251,6 +270,7 @@ def linear(a, node: fx.Node) -> Layout:
     return layout
 
 
+@dispatch.handles_local_order
 @handles_split
 def matmul(a, node: fx.Node) -> Layout:
     """matmul / @ / mm / bmm: contracts the last dim of the left with the second-last of the right."""
@@ -258,6 +278,7 @@ def matmul(a, node: fx.Node) -> Layout:
     return _product(a, node, node.args[0], node.args[1])
 
 
+@dispatch.handles_local_order
 @handles_split
 def add_product(a, node: fx.Node) -> Layout:
     """addmm / baddbmm (GPT-2's Conv1D, Bloom's ALiBi scores): ``beta * input + alpha * (left @ right)``."""
@@ -280,6 +301,15 @@ def _matmul_operands(left: fx.Node, right: fx.Node, rank: int) -> list[Operand]:
 
 def _product(a, node: fx.Node, left: fx.Node, right: fx.Node, bias: object = None) -> Layout:
     rank_l, rank_r, rank = ndim(left), ndim(right), ndim(node)
+    if any(a.layout(t).is_local_order for t in (left, right, bias) if isinstance(t, fx.Node)):
+        # rows of this rank's tokens times weights: per row (dim 0 of a left operand with more dims)
+        if (
+            a.layout(left).kind == "rows"
+            and rank_l >= 2
+            and all(a.layout(t) == REPLICATE for t in (right, bias) if isinstance(t, fx.Node))
+        ):
+            return a.layout(left)
+        return a.refuse(node, "multiplies across rows of this rank's tokens", dispatch.FIX)
     operands = _matmul_operands(left, right, rank)
     if isinstance(bias, fx.Node):
         operands.append(broadcast(bias, rank))
@@ -355,6 +385,7 @@ def _split_or_refuse(
     return a.mixes(node, what, out, _no_split_fix(a, operands[0].node, _ATTENTION_FIX))
 
 
+@dispatch.handles_local_order
 @handles_split
 def einsum(a, node: fx.Node) -> Layout:
     """einsum: per token when every sharded operand carries the sequence letter into the output; a sum
@@ -368,6 +399,8 @@ def einsum(a, node: fx.Node) -> Layout:
             "Spell out every dim's letter (e.g. 'bhsd,bhtd->bhst')",
         )
     _materialize_all(a, node)
+    if any(a.layout(op).is_local_order for op in operands):
+        return a.refuse(node, "relates rows of this rank's tokens in an einsum", dispatch.FIX)
     inputs, out = _einsum_letters(equation)
     rank = len(out)
     mapped = [
@@ -418,6 +451,7 @@ def _einsum_letters(equation: str) -> tuple[list[str], str]:
     return inputs, out
 
 
+@dispatch.handles_local_order
 def embedding(a, node: fx.Node) -> Layout:
     _materialize_all(a, node)
     indices, weight = node.args[0], node.args[1]
@@ -426,6 +460,7 @@ def embedding(a, node: fx.Node) -> Layout:
     return a.layout(indices)
 
 
+@dispatch.handles_local_order
 def one_hot(a, node: fx.Node) -> Layout:
     return a.layout(node.args[0])
 
@@ -439,6 +474,7 @@ _MEANS = {"mean", "nanmean"}
 _EXTREMA = {"amax": "max", "amin": "min", "max": "max", "min": "min", "any": "max", "all": "min"}
 
 
+@dispatch.handles_local_order
 @handles_split
 def reduction(a, node: fx.Node) -> object:
     """sum / mean / amax / amin / max / min / any / all / prod / std / var / norm / logsumexp / argmax..."""
@@ -457,6 +493,8 @@ def reduction(a, node: fx.Node) -> object:
             return PARTIAL
         a.materialize(source)
         return REPLICATE
+    if layout.kind in ("rows", "inverse"):
+        return dispatch.reduce_rows(a, node, layout, reduced)
     if layout.is_split and layout.split in reduced:
         if set(layout.dims) <= set(reduced) and name in _SUMS | _MEANS - {"count_nonzero"}:
             if name in _MEANS:  # over the dims' whole sizes, as traced
@@ -508,8 +546,13 @@ def _indices_used(node: fx.Node) -> bool:
     return any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in node.users)
 
 
+@dispatch.handles_local_order
 def histogram(a, node: fx.Node) -> Layout:
-    """histc / bincount: counts over tokens are sums of one-hot rows (a partial sum)."""
+    """histc / bincount: counts over tokens are sums of one-hot rows (a partial sum); of a mixture of
+    experts' sorted slots, the group sizes of their rows (``dispatch.py``)."""
+    local = dispatch.counts(a, node)
+    if local is not None:
+        return local
     layout = a.layout(node.args[0])
     if layout.kind == "shard" and node in a.token_data:
         return PARTIAL
@@ -642,8 +685,19 @@ def flash(a, node: fx.Node) -> object:
 def refuse_subgraph(a, node: fx.Node) -> Layout:
     return a.refuse(
         node,
-        "runs sequence data through a region the pass cannot see into (activation checkpointing, a custom "
-        "autograd.Function, torch.cond)",
-        "Turn off the model's gradient checkpointing (AutoSPStrategy's sac=True recomputes "
-        "activations already) and write custom Functions' math inline",
+        "runs sequence data through a region the pass cannot see into (a custom autograd.Function, "
+        "torch.cond, a loop)",
+        "Write the custom Function's math inline (its backward comes from autograd), or take the branch "
+        "outside the compiled step",
+    )
+
+
+def refuse_attention_weights(a, node: fx.Node) -> Layout:
+    """What ``normalize.py`` left of ``multi_head_attention_forward``: weights used, or its rarer options."""
+    return a.refuse(
+        node,
+        "is nn.MultiheadAttention returning attention weights that are used, or with bias_k/bias_v, "
+        "add_zero_attn, separate q/k/v projection weights, static keys or cross-attention",
+        "Call it with need_weights=False (the [L, S] weights are what sequence parallelism avoids "
+        "materializing), or write the attention with F.scaled_dot_product_attention",
     )

@@ -15,6 +15,7 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import flatten, index_items, meta_value
 from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard, split
+from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, tensor_nodes
 from lightning_autosp.compiler.rules.split import handles_split
 
@@ -36,6 +37,7 @@ def _partial_passes(a, node: fx.Node) -> Layout | None:
 # views
 
 
+@dispatch.handles_local_order
 @handles_split
 def view(a, node: fx.Node) -> Layout:
     """view / reshape / flatten / unflatten / squeeze / unsqueeze / view_as / reshape_as."""
@@ -46,6 +48,8 @@ def view(a, node: fx.Node) -> Layout:
     source = node.args[0]
     layout = a.layout(source)
     in_shape, out_shape = a.shape(source), a.shape(node)
+    if layout.kind in ("rows", "inverse"):
+        return _keeps_rows(a, node, source, layout)
     if in_shape is None or out_shape is None or layout.kind not in ("shard", "global", "split"):
         return layout
     if layout.kind == "global":  # a mask handed on whole: its sizes are the global ones
@@ -81,6 +85,14 @@ def view(a, node: fx.Node) -> Layout:
     if split_dim is not None:
         return split(split_dim, *sorted(dims), flat=tuple(sorted(flat)))
     return Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+
+
+def _keeps_rows(a, node: fx.Node, source: fx.Node, layout: Layout) -> Layout:
+    """A view or expand of a mixture of experts' rows keeps them if dim 0 stays as it is."""
+    before, after = meta_value(source).shape, meta_value(node).shape
+    if len(after) == 0 or len(before) == 0 or str(before[0]) != str(after[0]):
+        return a.refuse(node, f"reshapes the row dim of {layout}", dispatch.FIX)
+    return layout
 
 
 def _split_through_view(
@@ -127,6 +139,7 @@ def _view_groups(shape_in: list[int], shape_out: list[int]) -> list[tuple[list[i
     return groups
 
 
+@dispatch.handles_local_order
 @handles_split
 def permute(a, node: fx.Node) -> Layout:
     """permute / transpose / swapaxes / movedim / t / T / mT."""
@@ -155,6 +168,7 @@ def permute(a, node: fx.Node) -> Layout:
     return layout.mapped({old: new for new, old in enumerate(order)})
 
 
+@dispatch.handles_local_order
 @handles_split
 def expand(a, node: fx.Node) -> Layout:
     """expand / expand_as / broadcast_to / repeat: a new sequence-sized dim repeats one value."""
@@ -167,6 +181,12 @@ def expand(a, node: fx.Node) -> Layout:
     offset = ndim(node) - ndim(source)
     dims = {d + offset for d in layout.dims}
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if layout.kind in ("rows", "inverse"):
+        return (
+            _keeps_rows(a, node, source, layout)
+            if offset == 0
+            else a.refuse(node, f"adds dims before the row dim of {layout}", dispatch.FIX)
+        )
     if layout.is_split:
         if name == "repeat":
             a.sequence_home(source)
@@ -191,6 +211,7 @@ def expand(a, node: fx.Node) -> Layout:
 # slices and indexing
 
 
+@dispatch.handles_local_order
 @handles_split
 def getitem(a, node: fx.Node) -> object:
     source, index = node.args
@@ -207,6 +228,12 @@ def getitem(a, node: fx.Node) -> object:
     ]
     if a.layout(source).is_split:
         return _getitem_of_split(a, node, items, tensor_items)
+    if len(tensor_items) == 1 and items[0] is tensor_items[0]:  # x[index] along dim 0
+        permuted = dispatch.gather(a, node, source, tensor_items[0])
+        if permuted is not None:
+            return permuted
+    if a.layout(source).is_local_order and not (items and _is_full(a, items[0])):
+        return a.refuse(node, f"indexes the row dim of {a.layout(source)}", dispatch.FIX)
     if tensor_items:
         return _advanced_index(a, node, items, tensor_items)
     a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
@@ -465,6 +492,7 @@ def stack(a, node: fx.Node) -> Layout:
     return layouts[0].mapped({d: (d if d < dim else d + 1) for d in range(ndim(node) - 1)})
 
 
+@dispatch.handles_local_order
 @handles_split
 def pieces(a, node: fx.Node) -> tuple[Layout, ...]:
     """split / chunk / tensor_split / split_with_sizes / unbind: a tuple of pieces."""
@@ -479,6 +507,9 @@ def pieces(a, node: fx.Node) -> tuple[Layout, ...]:
         return (PARTIAL,) * count
     if layout.is_split and dim == layout.split:
         layout = a.sequence_home(source)
+    if layout.kind in ("rows", "inverse") and dim == 0:
+        a.refuse(node, f"splits the row dim of {layout}", dispatch.FIX)
+        return (layout,) * count
     if dim in layout.dims and not layout.is_split:  # a split value's sequence is whole
         a.refuse(node, "splits the sequence into pieces", "Split along other dims")
         return (layout,) * count
@@ -501,6 +532,7 @@ def factory(a, node: fx.Node) -> Layout:
     return shard(*_sequence_dims_of_output(a, node))
 
 
+@dispatch.handles_local_order
 def like(a, node: fx.Node) -> Layout:
     """zeros_like / ones_like / full_like / empty_like / rand_like: the layout of the model tensor."""
     layout = a.layout(node.args[0])
@@ -509,6 +541,9 @@ def like(a, node: fx.Node) -> Layout:
 
 def arange(a, node: fx.Node) -> Layout:
     a.shape_use(*node.args, *[v for k, v in node.kwargs.items() if k in ("start", "end", "step")])
+    row_numbers = dispatch.local_arange(a, node)
+    if row_numbers is not None:
+        return row_numbers
     values = list(node.args)
     if len(values) == 1:
         values = [0, values[0]]
@@ -530,7 +565,11 @@ def value_of_sizes(a, node: fx.Node) -> Layout:
     return REPLICATE
 
 
+@dispatch.handles_local_order
 def setitem(a, node: fx.Node) -> Layout:
+    inverse = dispatch.inverse(a, node)
+    if inverse is not None:
+        return inverse
     return a.refuse(
         node,
         "assigns into a tensor by index (x[i] = y) where sequence data is involved",

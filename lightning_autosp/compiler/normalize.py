@@ -1,0 +1,177 @@
+"""Before the analysis: the Dynamo graph in the ops the rules know, with nothing hidden in a region.
+
+Two things a model does hide what its ops do to the sequence:
+
+- its own activation checkpointing (``torch.utils.checkpoint``, HF's ``gradient_checkpointing_enable()``):
+  Dynamo traces each checkpointed call as ``tag_activation_checkpoint(body, *args)``, a region whose ops
+  the rules cannot see. The body is inlined; what to recompute in backward is then SAC's choice
+  (``sac.py``), which covers what the model's checkpointing did and never re-runs a collective;
+- ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``), which
+  Dynamo keeps as one call: it becomes the projections, ``scaled_dot_product_attention`` and the output
+  projection it computes (its own SDPA path), which the attention rewrite then handles like any SDPA.
+  Unused attention weights (``need_weights``' default) are not computed; used ones keep the call, and the
+  analysis refuses it with the fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from lightning_autosp.compiler.fx_utils import bind, call, example_value
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_REGIONS = ("tag_activation_checkpoint", "wrap")
+
+
+@dataclass
+class Normalized:
+    """What the normalization changed, for ``explain()``."""
+
+    checkpoints: list[str] = field(default_factory=list)
+    attention_modules: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.checkpoints:
+            out.append(
+                "the model's own activation checkpointing was replaced by SAC (regions inlined: "
+                f"{', '.join(self.checkpoints)})"
+            )
+        if self.attention_modules:
+            out.append(f"nn.MultiheadAttention calls as SDPA: {', '.join(self.attention_modules)}")
+        return out
+
+
+def normalize_pass(gm: fx.GraphModule) -> Normalized:
+    """Inline checkpointed regions and spell out multi-head attention modules (module docstring)."""
+    done = Normalized()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in _REGIONS:
+            done.checkpoints.append(_inline_region(gm, node))
+        elif (
+            node.op == "call_function"
+            and node.target is F.multi_head_attention_forward
+            and _spell_out_attention(gm.graph, node)
+        ):
+            done.attention_modules.append(node.name)
+    if done.checkpoints or done.attention_modules:
+        gm.graph.eliminate_dead_code()
+        gm.delete_all_unused_submodules()
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _inline_region(gm: fx.GraphModule, node: fx.Node) -> str:
+    """``tag_activation_checkpoint(body, *args)`` -> the body's nodes, in place."""
+    body_attr, *operands = node.args
+    body: fx.GraphModule = getattr(gm, body_attr.target)
+    copies: dict[fx.Node, object] = {}
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    copies.update(zip(placeholders, operands))
+    outputs: object = None
+    with gm.graph.inserting_before(node):
+        for inner in body.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                outputs = fx.node.map_arg(inner.args[0], lambda n: copies[n])
+                continue
+            if inner.op == "get_attr":  # a constant of the body: hoisted onto the outer module
+                name = f"{body_attr.target}_{inner.target}"
+                setattr(gm, name, getattr(body, inner.target))
+                copies[inner] = gm.graph.get_attr(name)
+                continue
+            copies[inner] = gm.graph.node_copy(inner, lambda n: copies[n])
+    results = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for user in list(node.users):
+        if user.target is operator.getitem:
+            user.replace_all_uses_with(results[user.args[1]])
+            gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+    return body_attr.target
+
+
+def _spell_out_attention(graph: fx.Graph, node: fx.Node) -> bool:
+    """``multi_head_attention_forward`` -> in-projection, SDPA, out-projection ([L, B, E] in and out).
+    False (the call kept) for what its SDPA path does not cover."""
+    args = bind(node, _MHA_SIGNATURE)
+    weights_used = any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
+    if (
+        weights_used
+        or args["bias_k"] is not None
+        or args["add_zero_attn"]
+        or args["use_separate_proj_weight"]
+        or args["static_k"] is not None
+        or args["static_v"] is not None
+        or not (args["query"] is args["key"] is args["value"])
+    ):
+        return False
+    query, heads = args["query"], args["num_heads"]
+    batch, embed = (int(size) for size in example_value(query).shape[1:])
+    head_dim = embed // heads
+    with graph.inserting_before(node):
+        projected = call(graph, F.linear, (query, args["in_proj_weight"], args["in_proj_bias"]))  # [L, B, 3E]
+        q, k, v = (
+            _heads(
+                graph,
+                call(graph, operator.getitem, (projected, (Ellipsis, slice(i * embed, (i + 1) * embed)))),
+                batch,
+                heads,
+                head_dim,
+            )
+            for i in range(3)
+        )
+        mask, is_causal = _sdpa_mask(graph, args, batch, heads, example_value(q).dtype)
+        dropout = args["dropout_p"] if args["training"] else 0.0
+        attended = call(
+            graph,
+            F.scaled_dot_product_attention,
+            (q, k, v),
+            {"attn_mask": mask, "dropout_p": dropout, "is_causal": is_causal},
+        )  # [B, H, L, D]
+        merged = call(
+            graph, torch.reshape, (call(graph, torch.permute, (attended, (2, 0, 1, 3))), (-1, embed))
+        )
+        out = call(graph, F.linear, (merged, args["out_proj_weight"], args["out_proj_bias"]))
+        out = call(graph, torch.reshape, (out, (-1, batch, embed)))  # [L, B, E]
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] == 0:
+            user.replace_all_uses_with(out)
+    return True
+
+
+def _heads(graph: fx.Graph, x: fx.Node, batch: int, heads: int, head_dim: int) -> fx.Node:
+    """[L, B, E] -> [B, H, L, D]."""
+    split = call(graph, torch.reshape, (x, (-1, batch, heads, head_dim)))
+    return call(graph, torch.permute, (split, (1, 2, 0, 3)))
+
+
+def _sdpa_mask(
+    graph: fx.Graph, args: dict, batch: int, heads: int, dtype: torch.dtype
+) -> tuple[fx.Node | None, bool]:
+    """The mask SDPA takes for the module's ``attn_mask`` / ``key_padding_mask`` / ``is_causal``, as torch's
+    own SDPA path builds it (a causal hint without padding drops the mask; True in a bool mask blocks)."""
+    mask, padding = args["attn_mask"], args["key_padding_mask"]
+    if args["is_causal"] and padding is None:
+        return None, True
+    mask = _additive(graph, mask, dtype)
+    if isinstance(mask, fx.Node) and example_value(mask).dim() == 3:  # [B * H, L, S]
+        mask = call(graph, torch.reshape, (mask, (batch, heads, *example_value(mask).shape[1:])))
+    if padding is not None:  # [B, S] -> [B, 1, 1, S]
+        blocked = call(graph, torch.reshape, (_additive(graph, padding, dtype), (batch, 1, 1, -1)))
+        mask = blocked if mask is None else call(graph, operator.add, (mask, blocked))
+    return mask, False
+
+
+def _additive(graph: fx.Graph, mask: object, dtype: torch.dtype) -> object:
+    if not isinstance(mask, fx.Node) or example_value(mask).is_floating_point():
+        return mask
+    zeros = call(graph, torch.zeros_like, (mask,), {"dtype": dtype})
+    return call(graph, torch.Tensor.masked_fill, (zeros, mask, float("-inf")))
