@@ -226,8 +226,6 @@ class LlamaModule(L.LightningModule):
             rope_scaling=h.rope_scaling,
             rms_norm_eps=h.rms_norm_eps,
             tie_word_embeddings=h.tie_word_embeddings,
-            # SDPA is the attention op the sequence-parallel passes rewrite.
-            attn_implementation="sdpa",
         )
         return LlamaForCausalLM(config)
 

@@ -119,6 +119,10 @@ class SequenceShard:
             owned.extend(range(self.global_len, length))
         return owned
 
+    def counts(self, length: int | None = None) -> list[int]:
+        """How many positions of a sequence-derived tensor of ``length`` positions each rank owns."""
+        return [len(self.positions(length, rank)) for rank in range(self.world)]
+
     def sequence_order(self) -> list[int]:
         """Indices that put every rank's shard, concatenated in rank order, back in sequence order."""
         positions = [p for rank in range(self.world) for p in self.positions(rank=rank)]

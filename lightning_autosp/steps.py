@@ -6,7 +6,9 @@ compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -100,7 +102,8 @@ class CompiledSteps:
             if first_call:
                 compiled[shard] = torch.compile(step, backend=backend, dynamic=False)
             skipped = frames_not_compiled()
-            output = compiled[shard](*args, **kwargs)
+            with _logging_left_out():
+                output = compiled[shard](*args, **kwargs)
             if shard is not None:
                 check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped)
             if first_call and name == "training_step" and os.environ.get("AUTOSP_DEBUG") == "1":
@@ -128,6 +131,19 @@ class CompiledSteps:
         return "\n".join(lines) if lines else "Nothing compiled yet."
 
 
+def _logging_left_out() -> contextlib.AbstractContextManager:
+    """Python logging inside a compiled step (HF's ``logger.warning_once`` that ``use_cache`` is turned
+    off under gradient checkpointing) is left out of the trace instead of breaking the graph: a break
+    inside a loop makes Dynamo run the whole frame eagerly, without sequence parallelism."""
+    methods = {logging.Logger.debug, logging.Logger.info, logging.Logger.warning}
+    methods |= {
+        getattr(logging.Logger, name)
+        for name in ("warning_once", "info_once")
+        if hasattr(logging.Logger, name)
+    }
+    return torch._dynamo.config.patch(ignore_logging_functions=methods)
+
+
 def _ring_description(shard: SequenceShard) -> str:
     if shard.ring_degree == 1:
         return ""
@@ -149,10 +165,4 @@ def check_sequence_parallel_applied(step_name: str, backend: AutoSPBackend, skip
             f"torch.compile ran {step_name} without calling the AutoSP backend (compilation disabled, or "
             "Dynamo's recompile limit reached after many distinct sequence lengths), so sequence "
             "parallelism was not applied. Bucket or pad sequence lengths to a few fixed values."
-        )
-    if backend.attention_count == 0:
-        raise RuntimeError(
-            f"No attention call was found in the compiled graphs of {step_name}, so sequence parallelism "
-            "cannot be applied. Compute attention with torch.nn.functional.scaled_dot_product_attention "
-            "(HF: attn_implementation='sdpa'); hand-written softmax(QK^T)V attention is not recognized."
         )

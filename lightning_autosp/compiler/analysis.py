@@ -267,7 +267,9 @@ class Analysis:
                 return out
             self.plan.recompute.append(node)
             return out
-        self.refuse(node, f"{what} along the sequence, over activations (values with gradients)", fix)
+        self.refuse(
+            node, f"{what} along the sequence, over activations (values computed from parameters)", fix
+        )
         return out
 
     def need(self, arg: fx.Node, target: Layout) -> Layout:
@@ -303,16 +305,7 @@ class Analysis:
                 f"{list(layout.dims)} (flattened: {list(layout.flat)})",
                 "Keep one sequence dim, unflattened, where values go back to sequence shards",
             )
-        (dim,) = layout.dims
-        length = self.global_value(shape[dim])
-        if length != self.context.shard.global_len:
-            return self.refuse(
-                self._visiting,
-                f"needs {arg.name} back in sequence shards, but its sequence dim has {length} positions, "
-                f"not the batch's {self.context.shard.global_len}",
-                "Bring values back to the sequence's own length before the op (slice off what was added)",
-            )
-        return self.need(arg, shard(dim))
+        return self.need(arg, shard(layout.dims[0]))
 
     def moved(self, arg: fx.Node) -> bool:
         """Whether the visited op's rule needs ``arg`` in another layout than it has."""

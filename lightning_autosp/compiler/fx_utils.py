@@ -154,3 +154,61 @@ def index_items(index: object, rank: int) -> list:
         explicit = sum(1 for item in items if item is not None and item is not Ellipsis)
         items[position : position + 1] = [slice(None)] * (rank - explicit)
     return items
+
+
+_IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """An in-place op of a Dynamo graph (``x.copy_(y)``, ``x.add_(y)``, ``x += y``): its effect is on its
+    first argument, so it stays whether or not anything uses its result."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and (
+        (name.endswith("_") and not name.startswith("_")) or name in _IN_PLACE_OPERATORS
+    )
+
+
+_VIEWS = {"getitem", "view", "reshape", "narrow", "select", "transpose", "permute", "unsqueeze", "squeeze"}
+
+
+def eliminate_dead_code(graph: fx.Graph) -> list[str]:
+    """FX's dead-code elimination, which treats a method call as pure, keeping in-place writes unless
+    nothing reads what they write: a tensor the graph creates whose every use is a view or such a write
+    (a cache's state in training, a mask replaced by a whole one). Returns those tensors' names."""
+    unread: list[str] = []
+    while True:
+        graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or writes_in_place(node))
+        writes = [n for n in graph.nodes if writes_in_place(n) and not n.users and _written_unread(n)]
+        if not writes:
+            return unread
+        for write in writes:
+            unread.append(_root(write.args[0]).name)
+            graph.erase_node(write)
+
+
+def _root(node: fx.Node) -> fx.Node:
+    while node.op in ("call_function", "call_method") and op_name(node) in _VIEWS and node.args:
+        node = node.args[0]
+    return node
+
+
+def _written_unread(write: fx.Node) -> bool:
+    """Whether the tensor ``write`` writes into is created in the graph and only viewed and written."""
+    root = _root(write.args[0]) if write.args and isinstance(write.args[0], fx.Node) else None
+    if root is None or root.op not in ("call_function", "call_method"):
+        return False  # a graph input or a parameter: the caller sees the write
+    stack, seen = [root], {root}
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if writes_in_place(user) and not user.users:
+                continue
+            if op_name(user) in _VIEWS and user.args[0] in seen:
+                stack.append(user)
+                continue
+            return False
+    return True

@@ -50,6 +50,8 @@ class Layout:
     dims: tuple[int, ...] = ()
     flat: tuple[int, ...] = ()
     split: int | None = None
+    # split only: (outer, inner) dims that index the tokens together, the sequence cut into chunks
+    chunks: tuple[tuple[int, int], ...] = ()
     order: object = None  # rows / inverse / counts: the sort that ordered this rank's tokens
 
     @property
@@ -70,7 +72,12 @@ class Layout:
         flat = tuple(sorted(where[d] for d in self.flat if where.get(d) is not None))
         if self.kind == "split":
             moved = where.get(self.split)
-            return Layout("split", dims, flat, moved) if moved is not None else REFUSED
+            chunks = tuple(
+                (where[outer], where[inner])
+                for outer, inner in self.chunks
+                if where.get(outer) is not None and where.get(inner) is not None
+            )
+            return Layout("split", dims, flat, moved, chunks) if moved is not None else REFUSED
         if self.kind in ("rows", "inverse"):  # dim 0 runs over the tokens
             return self if where.get(0) == 0 else REFUSED
         if self.kind == "counts":
@@ -114,9 +121,11 @@ def rows(order: object, kind: Kind = "rows") -> Layout:
     return Layout(kind, order=order)
 
 
-def split(dim: int, *sequence_dims: int, flat: tuple[int, ...] = ()) -> Layout:
+def split(
+    dim: int, *sequence_dims: int, flat: tuple[int, ...] = (), chunks: tuple[tuple[int, int], ...] = ()
+) -> Layout:
     """Dim ``dim`` cut in blocks over the ranks, ``sequence_dims`` whole (Note [Sequence layouts])."""
-    return Layout("split", tuple(sorted(sequence_dims)), tuple(sorted(flat)), dim)
+    return Layout("split", tuple(sorted(sequence_dims)), tuple(sorted(flat)), dim, tuple(sorted(chunks)))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Before the analysis: the Dynamo graph in the ops the rules know, with nothing hidden in a region.
 
-Two things a model does hide what its ops do to the sequence:
+Writes into tensors nothing reads are dropped first (a cache's state updated in training, which only the
+next call would read). Then two things a model does that hide what its ops do to the sequence:
 
 - its own activation checkpointing (``torch.utils.checkpoint``, HF's ``gradient_checkpointing_enable()``):
   Dynamo traces each checkpointed call as ``tag_activation_checkpoint(body, *args)``, a region whose ops
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler.fx_utils import bind, call, example_value
+from lightning_autosp.compiler.fx_utils import bind, call, eliminate_dead_code, example_value
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _REGIONS = ("tag_activation_checkpoint", "wrap")
@@ -35,6 +36,7 @@ class Normalized:
 
     checkpoints: list[str] = field(default_factory=list)
     attention_modules: list[str] = field(default_factory=list)
+    unread_buffers: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = []
@@ -45,12 +47,17 @@ class Normalized:
             )
         if self.attention_modules:
             out.append(f"nn.MultiheadAttention calls as SDPA: {', '.join(self.attention_modules)}")
+        if self.unread_buffers:
+            out.append(f"cache buffers written and never read, left out: {', '.join(self.unread_buffers)}")
         return out
 
 
 def normalize_pass(gm: fx.GraphModule) -> Normalized:
     """Inline checkpointed regions and spell out multi-head attention modules (module docstring)."""
     done = Normalized()
+    # A cache's state written in training and never read (HF's conv and SSM caches keep the last tokens
+    # for the next call): nothing of the step depends on it, and the writes would need the last rank's.
+    done.unread_buffers = eliminate_dead_code(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and getattr(node.target, "__name__", "") in _REGIONS:
             done.checkpoints.append(_inline_region(gm, node))
@@ -60,8 +67,8 @@ def normalize_pass(gm: fx.GraphModule) -> Normalized:
             and _spell_out_attention(gm.graph, node)
         ):
             done.attention_modules.append(node.name)
-    if done.checkpoints or done.attention_modules:
-        gm.graph.eliminate_dead_code()
+    if done.checkpoints or done.attention_modules or done.unread_buffers:
+        eliminate_dead_code(gm.graph)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         gm.recompile()

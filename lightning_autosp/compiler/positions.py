@@ -95,8 +95,8 @@ def lengths_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext) -> None
     graph = gm.graph
     values = {(user, size) for user, size in analysis.plan.value_sizes}
     for node in list(graph.nodes):
-        if node.op not in ("call_function", "call_method"):
-            continue
+        if node.op not in ("call_function", "call_method") or node in analysis.sizes:
+            continue  # arithmetic on lengths: its users get the number it computes, and it goes dead
         global_shapes = node in analysis.plan.global_shapes
 
         def replace(arg: object, node: fx.Node = node, global_shapes: bool = global_shapes) -> object:
@@ -129,7 +129,10 @@ def _number(analysis: Analysis, ctx: SPContext, expr: sympy.Expr, as_value: bool
 def _affine(expr: sympy.Expr, symbol: sympy.Symbol | None) -> tuple[int | None, int]:
     if symbol is None:
         return 0, int(expr)
-    polynomial = sympy.Poly(expr, symbol)
+    try:
+        polynomial = sympy.Poly(expr, symbol)
+    except sympy.PolynomialError:  # Mod, floor division: not a multiple of a length
+        return None, 0
     if polynomial.degree() > 1:
         return None, 0
     coefficients = polynomial.all_coeffs()

@@ -60,11 +60,13 @@ def _move(graph: fx.Graph, copier: GlobalCopier, ctx: SPContext, move: Redistrib
         return _block(graph, x, target, ctx, before=move.user)
     if move.via == "all_reduce":
         return _insert(graph, ops.all_reduce_sum, (x, ctx.group_name), before=move.user)
+    # A sequence-derived length (padded to a multiple of a chunk, shifted) splits as its positions do.
+    sequence_dim = source.dims[0] if target.is_split else target.dims[0]
+    length = copier.analysis.global_value(copier.analysis.shape(move.value)[sequence_dim])
+    comm = (ctx.shard.counts(length), ctx.shard.rank, ctx.group_name)
     if target.is_split:  # shard -> split
-        args = (x, target.split, source.dims[0], *ctx.comm_args)
-        return _insert(graph, ops.seq_to_head, args, before=move.user)
-    args = (x, source.split, target.dims[0], *ctx.comm_args)
-    return _insert(graph, ops.head_to_seq, args, before=move.user)
+        return _insert(graph, ops.seq_to_head, (x, target.split, sequence_dim, *comm), before=move.user)
+    return _insert(graph, ops.head_to_seq, (x, source.split, sequence_dim, *comm), before=move.user)
 
 
 def _block(graph: fx.Graph, x: fx.Node, target, ctx: SPContext, *, before: fx.Node) -> fx.Node:

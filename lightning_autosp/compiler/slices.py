@@ -52,7 +52,7 @@ def slices_pass(
     for node, dim, in_len, bounds, rank in jobs:
         with graph.inserting_before(node):
             if bounds is None:
-                replacement = _pad(graph, node, dim, in_len, rank, ctx)
+                replacement = _pad(graph, analysis, node, dim, in_len, rank, ctx)
             else:
                 start, stop = bounds
                 replacement = _slice(graph, node, dim, in_len, rank, start, max(0, stop - start), ctx)
@@ -182,12 +182,15 @@ def _replace_item(index: object, rank: int, dim: int) -> tuple:
     return tuple(items)
 
 
-def _pad(graph: fx.Graph, node: fx.Node, dim: int, in_len: int, rank: int, ctx: SPContext) -> fx.Node:
-    """A right pad of the global sequence: the owner of the last positions pads."""
+def _pad(
+    graph: fx.Graph, analysis: Analysis, node: fx.Node, dim: int, in_len: int, rank: int, ctx: SPContext
+) -> fx.Node:
+    """A right pad of the global sequence: the owner of the last positions pads (an amount computed from
+    the length, to a multiple of a chunk, at the global length)."""
     source = node.args[0]
     pads = list(node.args[1] if len(node.args) > 1 else node.kwargs["pad"])
     padded = rank - 1 - dim
-    right = pads[2 * padded + 1]
+    right = analysis.global_value(analysis.size_expr(pads[2 * padded + 1]))
     out_len = in_len + right
     local_in, keep, fill = _pad_counts(ctx.shard, in_len, out_len)
     narrowed = source if keep == local_in else call(graph, torch.narrow, (source, dim, 0, keep))
@@ -225,8 +228,8 @@ def selections_pass(
         with graph.inserting_before(node):
             if op_name(node) == "select":
                 replacement = _select_owned(graph, analysis, ctx, node.args[0], dim, args[2], length)
-            else:
-                replacement = _index_owned(graph, analysis, ctx, node, args[1], dim, length)
+            else:  # the index as it is now: token data in it was recomputed whole (recompute.py)
+                replacement = _index_owned(graph, analysis, ctx, node, node.args[1], dim, length)
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
         report.append(f"{node.name}: positions of the sequence picked where they live (a partial sum)")

@@ -30,7 +30,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from lightning_autosp.compiler import attention, masks, symbols
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import meta_value
+from lightning_autosp.compiler.fx_utils import eliminate_dead_code, meta_value
 from lightning_autosp.compiler.layout import SequenceTags, Tag
 from lightning_autosp.compiler.losses import losses_pass
 from lightning_autosp.compiler.normalize import normalize_pass
@@ -133,12 +133,12 @@ def sequence_parallel_pass(
     for value, tag in zip(analysis.output_nodes, report.output_tags):  # for DDP's next bucket (analysis.py)
         if tag is not None and isinstance(meta_value(value), torch.Tensor):
             tags.mark(meta_value(value), tag)
-    gm.graph.eliminate_dead_code()  # the per-rank masks replaced by whole ones (and what only they used)
+    eliminate_dead_code(gm.graph)  # the per-rank masks replaced by whole ones (and what only they used)
     report.layouts = _explained_layouts(analysis, gm.graph)
     report.redistributions = redistribute_pass(gm, copier, ctx)
     report.all_to_alls += sum(move.via == "all_to_all" for move in analysis.plan.redistributions)
     report.recomputed = recompute_pass(copier)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
 
     for node in analysis.plan.attention:
         if node in analysis.flash_matches:
@@ -150,7 +150,7 @@ def sequence_parallel_pass(
     selections_pass(gm, analysis, ctx, copier.pristine, report.slices)
     lengths_pass(gm, analysis, ctx)
     losses_pass(gm, analysis, ctx, copier.pristine, report.losses)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.graph.lint()
     gm.recompile()
     _refresh_fake_values(gm, example_inputs)

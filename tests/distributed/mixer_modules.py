@@ -109,7 +109,9 @@ class HybridLM(_SGD):
 
     def split_heads(self, t: torch.Tensor) -> torch.Tensor:
         B, T, _ = t.shape
-        return t.view(B, T, self.heads, -1).transpose(1, 2)  # (B, H, T, hs)
+        # contiguous: under torch.compile (torch 2.13, CPU) cumsum's backward of a transposed view meets a
+        # view of incompatible strides, with or without sequence parallelism
+        return t.view(B, T, self.heads, -1).transpose(1, 2).contiguous()  # (B, H, T, hs)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
@@ -199,3 +201,84 @@ class CheckpointedGPT(_SGD):
         for index in range(len(model.attns)):
             x = checkpoint(model.layer, index, x, use_reentrant=False)
         return causal_lm_loss(model.head(x), ids)
+
+
+class ScaledTanhGelu(torch.autograd.Function):
+    """An elementwise activation with a hand-written backward, as Bloom's ``GeLUFunction``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return 0.5 * x * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        tanh = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        slope = 0.5 * x * ((1 - tanh * tanh) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh)
+        return slope * grad
+
+
+class MetaLlamaBlockLM(_SGD):
+    """Idioms of Meta's reference Llama code: rotary embeddings as complex numbers (``view_as_complex`` of
+    q and k times ``freqs_cis[:seqlen]``), keys built in place into a ``new_empty`` buffer through views
+    (``copy_``, as DeepSeek's MLA does), and an activation with a custom ``autograd.Function``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim) for _ in range(3))
+        self.wo = nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, VOCAB)
+        head_dim = dim // heads
+        angles = torch.outer(
+            torch.arange(128).float(), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
+        )
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def rotate(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, T, H, hs/2)
+        return torch.view_as_real(pairs * freqs[None, :, None, :]).flatten(3).type_as(x)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        x = self.embed(ids)
+        freqs = self.freqs_cis[:T]
+        q, k, v = (w(x).view(B, T, self.heads, -1) for w in (self.wq, self.wk, self.wv))
+        q, k_rot = self.rotate(q, freqs), self.rotate(k, freqs)
+        keys = k.new_empty(B, T, self.heads, 2 * k.size(-1))  # keys: rotated half, then the raw half
+        keys[..., : k.size(-1)].copy_(k_rot)
+        keys[..., k.size(-1) :].copy_(k)
+        q = torch.cat([q, torch.zeros_like(q)], dim=-1)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), torch.cat([v, v], dim=-1).transpose(1, 2), is_causal=True
+        )
+        x = x + self.wo(y.transpose(1, 2)[..., : k.size(-1)].reshape(B, T, -1))
+        x = x + self.down(ScaledTanhGelu.apply(self.up(x)))
+        return causal_lm_loss(self.head(x), ids)
+
+
+class CapacityMoELM(_SGD):
+    """A mixture of experts that drops tokens past each expert's capacity: the slot of a token within its
+    expert is a running count over tokens, which depends on the other tokens of the batch. Sharded, each
+    rank would count its own tokens only, so the pass refuses it."""
+
+    def __init__(self, dim: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.Parameter(0.02 * torch.randn(experts, dim, dim))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        x = self.embed(ids)
+        tokens = x.reshape(-1, x.size(-1))
+        choice = F.one_hot(self.router(tokens).argmax(-1), self.experts.size(0))  # (N, E)
+        slot = choice.cumsum(0) * choice  # 1-based position of each token within its expert
+        kept = (slot <= 8) & (slot > 0)
+        out = torch.einsum("ne,edf,nd->nf", kept.float(), self.experts, tokens)
+        return causal_lm_loss(self.head(x + out.view_as(x)), ids)

@@ -119,7 +119,6 @@ class LlamaModule(L.LightningModule):
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             max_position_embeddings=256,
-            attn_implementation="sdpa",
         )
         self.model = LlamaForCausalLM(config)
 

@@ -39,7 +39,13 @@ from tests.distributed.attention_modules import (  # noqa: E402
     cross_document_rel_diff,
     packed_inputs,
 )
-from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, UserShardedGPTModule  # noqa: E402
+from tests.distributed.modules import (  # noqa: E402
+    VOCAB,
+    GPTModule,
+    LlamaModule,
+    TokenizedLlamaModule,
+    UserShardedGPTModule,
+)
 from tests.distributed.user_modules import (  # noqa: E402
     HFModule,
     LitGPTModule,
@@ -81,8 +87,9 @@ CASES = {
     "gpt_graph_break": Case(GPTModule, {"graph_break": "between_layers"}),
     "gpt_graph_break_in_loop": Case(GPTModule, {"graph_break": "in_loop"}),
     "gpt_ddp_buckets": Case(GPTModule, {"dim": 256}, strategy_kwargs={"bucket_cap_mb": 1}),
-    # HF builds one mask for all layers; DDP's split puts it and the attentions in different graphs.
-    "llama_ddp_buckets": Case(LlamaModule, {"hidden": 256}, strategy_kwargs={"bucket_cap_mb": 1}),
+    # Given a tokenizer's attention_mask, HF builds one mask for all layers; DDP's split puts it and the
+    # attentions in different graphs.
+    "llama_ddp_buckets": Case(TokenizedLlamaModule, {"hidden": 256}, strategy_kwargs={"bucket_cap_mb": 1}),
     "gpt_len61": Case(GPTModule, seq_len=61, ignored_tail=(5, 9)),
     "llama_len61": Case(LlamaModule, seq_len=61, ignored_tail=(5, 9)),
     "gpt_sp_pass_off": Case(GPTModule, sp_pass=False),

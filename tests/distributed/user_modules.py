@@ -119,10 +119,11 @@ class LossGPT(_SGD):
 
 
 class HFModule(_SGD):
-    """An HF causal LM built from a config (random init); HF shifts the labels inside its loss.
-    ``attn_implementation="eager"`` for the families transformers builds without SDPA."""
+    """An HF causal LM built from its family's default config with only sizes changed (random init), with
+    the attention transformers picks for it; HF shifts the labels inside its loss.
+    ``gradient_checkpointing=True`` turns on HF's own checkpointing, as long-context fine-tuning does."""
 
-    def __init__(self, family: str, attn_implementation: str = "sdpa", **config) -> None:
+    def __init__(self, family: str, gradient_checkpointing: bool = False, **config) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -135,13 +136,37 @@ class HFModule(_SGD):
             num_key_value_heads=2,
             max_position_embeddings=256,
         )
-        self.model = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(family, **{**defaults, **config}), attn_implementation=attn_implementation
-        )
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**defaults, **config}))
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
         return self.model(**inputs, labels=batch.get("labels", batch["input_ids"])).loss
+
+
+class HFClassifierModule(_SGD):
+    """An HF sequence classifier (``num_labels=1``: a reward model) from a default config with only sizes
+    changed: it pools the last non-padding token (padding id 0) and takes its loss against
+    ``batch["label"]``."""
+
+    def __init__(self, family: str = "llama", num_labels: int = 3) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        sizes = dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        config = AutoConfig.for_model(family, num_labels=num_labels, pad_token_id=0, **sizes)
+        self.model = AutoModelForSequenceClassification.from_config(config)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], labels=batch["label"]).loss
 
 
 class ReadmeLlama(_SGD):
@@ -160,7 +185,7 @@ class ReadmeLlama(_SGD):
             num_attention_heads=4,
             num_key_value_heads=2,
         )
-        self.model = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **sizes))
+        self.model = LlamaForCausalLM(LlamaConfig(**sizes))
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss

@@ -152,9 +152,9 @@ def test_check_passes_with_attention() -> None:
     check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport(attention=["sdpa"])), 0)
 
 
-def test_check_no_attention() -> None:
-    with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
-        check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport()), 0)
+def test_a_step_without_attention_is_fine() -> None:
+    # every op that mixes tokens is rewritten or refused by the analysis, attention or not (a sort, a scan)
+    check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport()), 0)
 
 
 def test_check_backend_never_called() -> None:

@@ -1,13 +1,16 @@
-"""The model zoo: causal-LM families people fine-tune for long context, each built tiny from a config.
+"""The model zoo: the families people fine-tune for long context, each built tiny from its default config.
 
 Every family is run by ``tests/zoo/worker.py`` through ``lightning_autosp.verify`` at an even and an odd
 length with sp=2 (aot_eager), a few also under Inductor + SAC, and must meet its expectation here: exact
 (loss <= 1e-5, gradients <= 1e-4 on every rank) or refused with an error containing ``refusal``, the
 same on every rank. ``python -m benchmarks.zoo`` runs them all and writes the README's table.
 
-Tiny: hidden 32, 2 layers, 4 heads and 2 KV heads where the family has them (head dim 8), vocabulary
-48, every dropout 0. Shard lengths (13 and 14 tokens) differ from every model dimension, so no size is
-ambiguous between the sequence and the model.
+Each family is built as its users build it: the default config with only sizes changed (and dropout set
+to 0, for parity), the attention transformers picks, ``use_cache`` as the config sets it. Tiny: hidden 32,
+2 layers, 4 heads and 2 KV heads where the family has them (head dim 8), vocabulary 48. Shard lengths (13
+and 14 tokens) differ from every model dimension, so no size is ambiguous between the sequence and the
+model. HF causal LMs, litgpt and hand-written GPTs, torch's own attention modules, hybrids of linear
+attention, convolutions and state-space scans, mixtures of experts, classifiers and reward models.
 """
 
 from __future__ import annotations
@@ -33,10 +36,24 @@ class Family:
     refusal: str | None = None  # None: exact; else a fragment of the refusal every rank must raise
     inductor: bool = False  # also run at the odd length under Inductor + SAC
     vocab: int = VOCAB
+    classes: int = 0  # > 0: a classifier, its batch carries one label per sample
     config: dict[str, Any] = field(default_factory=dict)
 
 
 NO_GPT2_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+DEEPSEEK = dict(
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+)
 
 
 def hf(family: str, **config: Any) -> Callable[[], L.LightningModule]:
@@ -45,10 +62,22 @@ def hf(family: str, **config: Any) -> Callable[[], L.LightningModule]:
     return lambda: HFModule(family, **config)
 
 
+def hf_classifier(num_labels: int) -> Callable[[], L.LightningModule]:
+    from tests.distributed.user_modules import HFClassifierModule
+
+    return lambda: HFClassifierModule("llama", num_labels=num_labels)
+
+
 def litgpt(**config: Any) -> Callable[[], L.LightningModule]:
     from tests.distributed.user_modules import LitGPTModule
 
     return lambda: LitGPTModule(**config)
+
+
+def mixer(name: str, **kwargs: Any) -> Callable[[], L.LightningModule]:
+    from tests.distributed import mixer_modules
+
+    return lambda: getattr(mixer_modules, name)(**kwargs)
 
 
 def nanogpt() -> L.LightningModule:
@@ -63,10 +92,9 @@ def mingpt() -> L.LightningModule:
     return SlicedTableGPT(positions="learned")
 
 
-MOE_SORT = "orders values (sort) along the sequence"
-
 FAMILIES: dict[str, Family] = {
-    "llama": Family(hf("llama"), "GQA (4 q / 2 KV heads), rotary", inductor=True),
+    # HF causal LMs: SDPA
+    "llama": Family(hf("llama"), "GQA (4 q / 2 KV heads), rotary, KV cache on", inductor=True),
     "mistral": Family(hf("mistral", head_dim=8, sliding_window=8), "sliding window (8) shorter than a shard"),
     "qwen2": Family(hf("qwen2"), "q/k/v biases"),
     "qwen3": Family(hf("qwen3", head_dim=8), "q/k RMSNorm per head"),
@@ -100,10 +128,23 @@ FAMILIES: dict[str, Family] = {
     "gpt_bigcode": Family(
         hf("gpt_bigcode", n_inner=64, **NO_GPT2_DROPOUT), "multi-query (1 KV head), learned positions"
     ),
+    "granite": Family(hf("granite"), "scaled residuals, embeddings and logits"),
+    "stablelm": Family(hf("stablelm"), "partial rotary, LayerNorm"),
+    "llama-gradient-checkpointing": Family(
+        hf("llama", gradient_checkpointing=True),
+        "HF gradient_checkpointing_enable(): the regions inlined, SAC decides",
+    ),
+    # HF causal LMs whose attention transformers writes out (eager by default)
+    "gemma2": Family(hf("gemma2", head_dim=8), "attention written out, soft-capping: split over heads"),
+    "bloom": Family(
+        hf("bloom", hidden_dropout=0.0, attention_dropout=0.0),
+        "ALiBi in baddbmm, written-out attention, a custom autograd GeLU",
+    ),
+    # mixtures of experts (transformers' grouped_mm dispatch) and multi-head latent attention
     "mixtral": Family(
         hf("mixtral", num_local_experts=4, num_experts_per_tok=2),
-        "mixture of experts (top-2 of 4)",
-        refusal=MOE_SORT,
+        "mixture of experts (top-2 of 4): this rank's tokens sorted by expert and back",
+        inductor=True,
     ),
     "qwen2_moe": Family(
         hf(
@@ -114,13 +155,46 @@ FAMILIES: dict[str, Family] = {
             shared_expert_intermediate_size=64,
         ),
         "mixture of experts with a shared expert",
-        refusal=MOE_SORT,
     ),
-    "gemma2-eager": Family(
-        hf("gemma2", head_dim=8, attn_implementation="eager"),
-        "attention written out (transformers builds gemma2 without SDPA)",
-        refusal="attention written by hand",
+    "qwen3_moe": Family(
+        hf("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+        "mixture of experts, q/k norm",
     ),
+    "deepseek_v3": Family(hf("deepseek_v3", **DEEPSEEK), "multi-head latent attention, grouped routing"),
+    "deepseek_v2": Family(hf("deepseek_v2", **DEEPSEEK), "latent attention, complex rotary (polar)"),
+    # hybrids: short convolutions, state-space scans
+    "lfm2": Family(
+        hf(
+            "lfm2",
+            layer_types=["conv", "full_attention"],
+            block_ff_dim=64,
+            conv_L_cache=3,
+            block_auto_adjust_ff_dim=False,
+        ),
+        "hybrid: gated short causal convolutions (depthwise) and attention",
+    ),
+    "bamba": Family(
+        hf(
+            "bamba",
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=8,
+            mamba_expand=1,
+        ),
+        "hybrid: Mamba-2 chunked scan (torch path) and attention",
+    ),
+    # classification and reward heads
+    "llama-sequence-classification": Family(
+        hf_classifier(3),
+        "last non-padding token pooled (picked where it lives, all-reduced)",
+        classes=3,
+        inductor=True,
+    ),
+    "llama-reward-model": Family(hf_classifier(1), "one score from the last token, MSE", classes=1),
+    # litgpt and hand-written models
     "litgpt": Family(litgpt(), "litgpt GPT, Llama-style: rope cache sliced cos[:T]", inductor=True),
     "litgpt-neox": Family(
         litgpt(
@@ -135,4 +209,24 @@ FAMILIES: dict[str, Family] = {
     ),
     "nanogpt": Family(nanogpt, "nanoGPT-style: learned positions from arange, fused qkv"),
     "mingpt": Family(mingpt, "minGPT-style: learned position table sliced pos_emb[:, :T]"),
+    "written-attention": Family(mixer("WrittenAttentionGPT"), "softmax(q k^T) v with a tril mask, by hand"),
+    "alibi-mask": Family(mixer("AlibiGPT"), "SDPA with a per-head [H, S, S] ALiBi mask", inductor=True),
+    "meta-llama": Family(
+        mixer("MetaLlamaBlockLM"), "complex rotary (view_as_complex), keys built in place, custom Function"
+    ),
+    "linear-attention-hybrid": Family(
+        mixer("HybridLM"),
+        "causal linear attention (einsum + cumsum), depthwise causal conv, SDPA",
+        inductor=True,
+    ),
+    "mean-pool-classifier": Family(
+        mixer("PooledClassifier", pool="mean"), "mean over tokens, MLP head", classes=3
+    ),
+    # torch's own modules
+    "torch-transformer-encoder": Family(
+        mixer("TransformerEncoderLM"), "nn.TransformerEncoder(..., is_causal=True)"
+    ),
+    "torch-multihead-attention": Family(
+        mixer("MultiheadAttentionLM"), "nn.MultiheadAttention, need_weights default"
+    ),
 }

@@ -40,13 +40,19 @@ ZOO_TIMEOUT_S = 300
 CONTROL = "nanogpt without the SP pass"
 
 
-def make_batch(vocab: int, length: int) -> dict[str, torch.Tensor]:
-    """Token ids and labels; the second sample's last 5 labels are ignored (-100)."""
+def make_batch(vocab: int, length: int, classes: int = 0) -> dict[str, torch.Tensor]:
+    """Token ids and labels; the second sample's last 5 labels are ignored (-100). A classifier's batch
+    carries one ``label`` per sample (a float score for one class: a reward model's target)."""
     generator = torch.Generator().manual_seed(1000 + length)
     ids = torch.randint(0, vocab, (BATCH_SIZE, length), generator=generator)
     labels = ids.clone()
     labels[1, -5:] = -100
-    return {"input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids, "labels": labels}
+    if classes == 1:
+        batch["label"] = torch.randn(BATCH_SIZE, generator=generator)
+    elif classes:
+        batch["label"] = torch.randint(0, classes, (BATCH_SIZE,), generator=generator)
+    return batch
 
 
 def run_one(family: Family, length: int, compiler: str, accelerator: str, sp_pass: bool = True) -> dict:
@@ -67,7 +73,7 @@ def run_one(family: Family, length: int, compiler: str, accelerator: str, sp_pas
             module = family.build()
             result = verify(
                 module,
-                make_batch(family.vocab, length),
+                make_batch(family.vocab, length, family.classes),
                 sp_size=2,
                 devices=dist.get_world_size(),
                 accelerator=accelerator,

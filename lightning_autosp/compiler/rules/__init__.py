@@ -24,6 +24,7 @@ def _table() -> dict[str, Rule]:
     add(elementwise.POINTWISE, elementwise.pointwise)
     add(elementwise.IN_PLACE, elementwise.in_place)
     add("dropout1d dropout2d dropout3d feature_dropout", elementwise.dropout_over_channels)
+    add("view_as_complex view_as_real", elementwise.complex_view)
     add("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as ravel", shapes.view)
     add("permute transpose swapaxes swapdims movedim t T mT", shapes.permute)
     add("expand expand_as broadcast_to repeat", shapes.expand)
@@ -33,7 +34,8 @@ def _table() -> dict[str, Rule]:
     add("select", shapes.select)
     add(
         "index_select gather take_along_dim scatter scatter_add scatter_reduce index_add index_copy "
-        "index_fill index_put",
+        "index_fill index_put scatter_ scatter_add_ scatter_reduce_ index_add_ index_copy_ index_fill_ "
+        "index_put_",
         shapes.index_along,
     )
     add("pad", shapes.pad)
@@ -59,6 +61,7 @@ def _table() -> dict[str, Rule]:
     add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d", reductions.convolution)
     add("matmul mm bmm", reductions.matmul)
     add("einsum", reductions.einsum)
+    add("linalg_solve_triangular linalg_solve solve_triangular", reductions.solve)
     add("addmm baddbmm", reductions.add_product)
     add("embedding", reductions.embedding)
     add("one_hot", reductions.one_hot)

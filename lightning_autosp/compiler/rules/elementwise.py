@@ -7,8 +7,10 @@ plans an all-reduce of it (Note [Sequence layouts]).
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
+from lightning_autosp.compiler.fx_utils import meta_value, op_name
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, global_, shard
 from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import ndim, tensor_nodes
@@ -34,12 +36,12 @@ POINTWISE = _names(
     "alpha_dropout feature_alpha_dropout native_dropout"
 ) | _names(  # casts and copies
     "to type type_as float double half bfloat16 int long short bool byte char cpu cuda contiguous clone "
-    "detach requires_grad_ view_as_real view_as_complex real imag conj resolve_conj resolve_neg"
+    "detach requires_grad_ real imag conj resolve_conj resolve_neg polar complex"
 )
 
 # In-place forms: the result is the first argument, which must keep its layout.
 IN_PLACE = {f"{name}_" for name in POINTWISE} | _names(
-    "iadd isub imul itruediv ifloordiv imod ipow iand ior ixor ilshift irshift fill_ zero_"
+    "iadd isub imul itruediv ifloordiv imod ipow iand ior ixor ilshift irshift fill_ zero_ copy_"
 )
 # Ops linear in one partial sum: sum_r f(x_r) = f(sum_r x_r) for replicated other operands.
 _LINEAR_IN_ONE = {"mul", "multiply", "imul", "div", "divide", "truediv", "true_divide", "itruediv"}
@@ -138,4 +140,41 @@ def dropout_over_channels(a, node: fx.Node) -> Layout:
             "its tokens",
             "Use F.dropout, or put the sequence in the channel dim",
         )
+    return layout
+
+
+def elementwise_function(a, node: fx.Node) -> object:
+    """A custom ``autograd.Function`` (``autograd_function_apply(fwd_body, bwd_body, *args)``) whose forward
+    and backward are both elementwise (Bloom's tanh GeLU): its output has its inputs' layout."""
+    fwd, bwd, *operands = node.args
+    bodies = [getattr(node.graph.owning_module, body.target) for body in (fwd, bwd)]
+    ops = [n for body in bodies for n in body.graph.nodes if n.op in ("call_function", "call_method")]
+    if not all(op_name(n) in POINTWISE or n.target is torch._C._set_grad_enabled for n in ops):
+        unknown = sorted({op_name(n) for n in ops if op_name(n) not in POINTWISE} - {"_set_grad_enabled"})
+        return a.refuse(
+            node,
+            f"runs sequence data through a custom autograd.Function whose forward or backward is not "
+            f"elementwise (it calls {', '.join(unknown)})",
+            "Write the Function's math inline (its backward then comes from autograd)",
+        )
+    layouts = {a.layout(op) for op in tensor_nodes(operands)} - {REPLICATE}
+    if len(layouts) > 1:
+        return a.refuse(
+            node,
+            f"combines values of layouts {sorted(map(str, layouts))} elementwise",
+            "Apply the Function to values of one layout",
+        )
+    layout = next(iter(layouts), REPLICATE)
+    value = meta_value(node)
+    return tuple(layout for _ in value) if isinstance(value, (tuple, list)) else layout
+
+
+@dispatch.handles_local_order
+@handles_split
+def complex_view(a, node: fx.Node) -> Layout:
+    """view_as_complex / view_as_real: pairs of the last dim as complex numbers, or back; the other dims,
+    the sequence among them, stay where they are."""
+    layout = a.layout(node.args[0])
+    if ndim(node.args[0]) - 1 in (*layout.dims, layout.split):
+        return a.refuse(node, "pairs values along the sequence as complex numbers", "Pair along the head dim")
     return layout

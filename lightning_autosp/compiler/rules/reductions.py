@@ -17,7 +17,7 @@ from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, shard
 from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, reduced_positions, tensor_nodes
-from lightning_autosp.compiler.rules.elementwise import pointwise
+from lightning_autosp.compiler.rules.elementwise import elementwise_function, pointwise
 from lightning_autosp.compiler.rules.split import (
     Operand,
     align,
@@ -72,6 +72,11 @@ def along_dim(
 
 def _no_split_fix(a, source: fx.Node, fix: str) -> str:
     """The fix of an op on the sequence that no dim of ``source`` could be split over."""
+    if a.layout(source).flat:
+        return (
+            f"{fix} (its tokens are flattened together with the batch, so it cannot run on the whole "
+            "sequence for a block of another dim: keep the [B, S, ...] dims apart for this op)"
+        )
     sizes = [int(size) if not a.has_sequence_symbol(size) else "S" for size in a.shape(source) or ()]
     return (
         f"{fix} (no dim it treats independently, of sizes {sizes}, divides by sp_size="
@@ -283,8 +288,17 @@ def matmul(a, node: fx.Node) -> Layout:
 def add_product(a, node: fx.Node) -> Layout:
     """addmm / baddbmm (GPT-2's Conv1D, Bloom's ALiBi scores): ``beta * input + alpha * (left @ right)``."""
     _materialize_all(a, node)
-    bias, left, right = node.args[:3]
+    first, second = ("batch1", "batch2") if op_name(node) == "baddbmm" else ("mat1", "mat2")
+    bias, left, right = arg(node, 0, "input"), arg(node, 1, first), arg(node, 2, second)
     return _product(a, node, left, right, bias=bias)
+
+
+@handles_split
+def solve(a, node: fx.Node) -> Layout:
+    """linalg.solve_triangular / linalg.solve (``A^-1 B``, batched over the leading dims): laid out like the
+    product ``A @ B`` (chunked gated-delta rules solve within chunks of the whole sequence)."""
+    _materialize_all(a, node)
+    return _product(a, node, arg(node, 0, "A"), arg(node, 1, "B"))
 
 
 def _matmul_operands(left: fx.Node, right: fx.Node, rank: int) -> list[Operand]:
@@ -416,10 +430,13 @@ def einsum(a, node: fx.Node) -> Layout:
         return REPLICATE
     if len(sequence) == 1 and all(layout.kind in ("shard", "replicate") for layout in layouts):
         (letter,) = sequence
-        plain = all(len(layout.dims) == 1 and not layout.flat for layout in layouts if layout.kind == "shard")
+        sharded = [layout for layout in layouts if layout.kind == "shard"]
         replicated = [letters for letters, layout in zip(inputs, layouts) if layout.kind == "replicate"]
-        if plain and not any(letter in letters for letters in replicated):
-            return shard(out.index(letter)) if letter in out else PARTIAL  # per token, or summed over them
+        if all(len(x.dims) == 1 for x in sharded) and not any(letter in x for x in replicated):
+            if letter not in out:
+                return PARTIAL  # a sum over this rank's tokens
+            flat = (out.index(letter),) if any(x.flat for x in sharded) else ()
+            return shard(out.index(letter), flat=flat)  # token by token
     candidates = [out.index(letter) for letter in out if letter not in sequence]
     return _split_or_refuse(
         a,
@@ -656,6 +673,8 @@ def _refuse_mask(a, node: fx.Node) -> Layout:
 
 def flash(a, node: fx.Node) -> object:
     match = a.flash_matches.get(node)
+    if match is None and op_name(node) == "autograd_function_apply":
+        return elementwise_function(a, node)
     if match is None:
         return a.refuse(node, "is an attention kernel the SP pass does not know", _ATTENTION_FIX)
     layouts = [a.layout(match.operands[name]) for name in ("q", "k", "v")]

@@ -17,7 +17,7 @@ from lightning_autosp.compiler.fx_utils import flatten, index_items, meta_value
 from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard, split
 from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, tensor_nodes
-from lightning_autosp.compiler.rules.split import handles_split
+from lightning_autosp.compiler.rules.split import Operand, align, handles_split, split_along
 
 _INDEX_FIX = "Index along the sequence in the data pipeline, or keep the op per token"
 
@@ -64,13 +64,18 @@ def view(a, node: fx.Node) -> Layout:
             a.sequence_home(source)
             return view(a, node)
         a.plan.split_shapes[node] = None
+    if split_dim is not None:  # the sequence is whole: views may cut it into chunks and join them
+        return _split_view(a, layout, split_dim, groups, hints_in, out_shape)
     dims, flat = set(), set()
     for group_in, group_out in groups:
         seq_in = [d for d in group_in if d in layout.dims]
         if not seq_in:
             continue
         carriers = [d for d in group_out if a.has_sequence_symbol(out_shape[d])]
+        merged = len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in seq_in)
         if len(seq_in) > 1 or len(carriers) != 1 or (len(group_in) > 1 and len(group_out) > 1):
+            if _whole_sequence_for_a_block(a, node, source, layout, groups):
+                return view(a, node)
             return a.refuse(
                 node,
                 f"reshapes the sequence dim {seq_in} of {tuple(in_shape)} into {tuple(out_shape)} in "
@@ -79,12 +84,40 @@ def view(a, node: fx.Node) -> Layout:
             )
         (out_dim,) = carriers
         dims.add(out_dim)
-        merged = len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in seq_in)
         if merged or any(d in layout.flat for d in seq_in) and len(group_out) == 1:
             flat.add(out_dim)
-    if split_dim is not None:
-        return split(split_dim, *sorted(dims), flat=tuple(sorted(flat)))
     return Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+
+
+def _split_view(a, layout: Layout, split_dim: int, groups: list, hints_in: list[int], out_shape) -> Layout:
+    """Where the tokens go through a view of a split value: a token dim kept (or flattened with the dims
+    before it), cut into (chunk, position in chunk) dims, or such a pair joined back into one."""
+    dims, flat, chunks = set(), set(), set()
+    pairs = {pair: pair for pair in layout.chunks}
+    for group_in, group_out in groups:
+        tokens_in = [d for d in group_in if d in layout.dims]
+        carriers = [d for d in group_out if a.has_sequence_symbol(out_shape[d])]
+        joined = [pair for pair in pairs if set(pair) <= set(group_in)]
+        if tokens_in and len(carriers) == 1:
+            dims.add(carriers[0])
+            if len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in tokens_in):
+                flat.add(carriers[0])
+        elif len(tokens_in) == 1 and len(group_in) == 1 and carriers == group_out and len(carriers) == 2:
+            chunks.add(tuple(carriers))
+        elif joined and len(carriers) == 1 and set(group_in) == set(joined[0]):
+            dims.add(carriers[0])
+    return split(split_dim, *sorted(dims), flat=tuple(sorted(flat)), chunks=tuple(sorted(chunks)))
+
+
+def _whole_sequence_for_a_block(a, node: fx.Node, source: fx.Node, layout: Layout, groups: list) -> bool:
+    """A view that cuts the sequence into chunks (chunked linear attention, Mamba's scan) is a plain view of
+    the whole sequence: move the source there, for a block of a dim the view keeps apart (its heads)."""
+    if layout.kind != "shard" or source in a.token_data:
+        return False
+    kept = [group_in[0] for group_in, group_out in groups if len(group_in) == 1 and len(group_out) == 1]
+    candidates = [d for d in kept if d not in layout.dims]
+    ordered = [d for d in candidates if d != 0] + [d for d in candidates if d == 0]
+    return any(split_along(a, source, dim) for dim in ordered)
 
 
 def _keeps_rows(a, node: fx.Node, source: fx.Node, layout: Layout) -> Layout:
@@ -408,15 +441,30 @@ def index_along(a, node: fx.Node) -> Layout:
         return a.mixes(
             node, "indexes along the sequence", shard(*_sequence_dims_of_output(a, node)), _INDEX_FIX
         )
-    return shard(*sequence)
+    flat = set().union(*(set(layout.flat) for layout in layouts if layout.kind == "shard")) & sequence
+    result = shard(*sequence, flat=tuple(flat))
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    target = node.args[0]
+    if name.endswith("_") and (a.moved(target) or a.layout(target) != result):  # in place: keeps its layout
+        return a.refuse(
+            node,
+            f"writes a value of layout {result} in place into {target.name} ({a.layout(target)})",
+            "Assign the result to a new tensor instead of updating one in place",
+        )
+    return result
 
 
+@handles_split
 def pad(a, node: fx.Node) -> Layout:
     a.shape_use(*node.args[1:])
     source, rank = node.args[0], ndim(node.args[0])
     layout = a.layout(source)
     pads = list(arg(node, 1, "pad"))
     touched = [rank - 1 - i for i in range(len(pads) // 2) if (pads[2 * i], pads[2 * i + 1]) != (0, 0)]
+    if layout.is_split and layout.split in touched:
+        layout = a.sequence_home(source)
+    if layout.is_split:  # the sequence is whole: padded as written
+        return layout
     sequence = [d for d in touched if d in layout.dims]
     if not sequence:
         return layout
@@ -443,6 +491,7 @@ def pad(a, node: fx.Node) -> Layout:
 # joining and splitting
 
 
+@handles_split
 def cat(a, node: fx.Node) -> Layout:
     """cat / concat: an operand with no elements adds nothing, so ``cat([empty, x])`` is ``x`` (HF's
     ``DynamicCache`` appends each layer's keys and values to an empty tensor, which training never reads
@@ -451,9 +500,21 @@ def cat(a, node: fx.Node) -> Layout:
     tensors = [t for t in operands if not _has_no_elements(t)] or operands
     if len(tensors) == 1:
         return a.layout(tensors[0])
-    layouts = [a.layout(t) for t in tensors]
     rank = ndim(node)
     dim = normalize_dims(arg(node, 1, "dim", 0), rank)[0]
+    split_side = [t for t in tensors if a.layout(t).is_split]
+    if split_side:  # joined along another dim than the split one: on the whole sequence, any dim is fine
+        out_dim = a.layout(split_side[0]).split
+        joined = (
+            None
+            if dim == out_dim
+            else align(a, [Operand(t, {d: d for d in range(rank)}) for t in tensors], out_dim, rank)
+        )
+        if joined is not None:
+            return joined
+        for tensor in split_side:
+            a.sequence_home(tensor)
+    layouts = [a.layout(t) for t in tensors]
     if all(layout == PARTIAL for layout in layouts):
         return PARTIAL
     for tensor in tensors:
@@ -533,6 +594,7 @@ def factory(a, node: fx.Node) -> Layout:
 
 
 @dispatch.handles_local_order
+@handles_split
 def like(a, node: fx.Node) -> Layout:
     """zeros_like / ones_like / full_like / empty_like / rand_like: the layout of the model tensor."""
     layout = a.layout(node.args[0])

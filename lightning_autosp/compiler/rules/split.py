@@ -67,13 +67,6 @@ def _splittable(a, node: fx.Node, dim: int | None) -> bool:
     return int(shape[dim]) % a.context.shard.world == 0
 
 
-def _whole_length(a, node: fx.Node, dim: int) -> bool:
-    """Whether sequence dim ``dim`` of ``node`` holds this rank's tokens of the batch's sequence (so an
-    all-to-all can gather it), not a shifted or padded length."""
-    shape = a.shape(node)
-    return shape is not None and a.global_value(shape[dim]) == a.context.shard.global_len
-
-
 def _target(a, operand: Operand, out_dim: int) -> Layout | None | bool:
     """The layout ``operand`` must have for an output split along ``out_dim``: a Layout to move to,
     True if it is fine as it is, None if no move gets it there."""
@@ -92,7 +85,6 @@ def _target(a, operand: Operand, out_dim: int) -> Layout | None | bool:
             len(layout.dims) == 1
             and not layout.flat
             and _splittable(a, node, dim)
-            and _whole_length(a, node, layout.dims[0])
             and a.context.shard.is_contiguous
         ):
             return split(dim, *layout.dims)
@@ -133,6 +125,15 @@ def choose(a, operands: Sequence[Operand], candidates: Sequence[int]) -> int | N
         if all(_target(a, operand, out_dim) is not None for operand in operands):
             return out_dim
     return None
+
+
+def split_along(a, node: fx.Node, dim: int) -> bool:
+    """Move ``node`` itself to the whole sequence for a block of its dim ``dim``, if it can go there."""
+    target = _target(a, Operand(node, {d: d for d in range(_rank(node))}), dim)
+    if not isinstance(target, Layout) or not target.is_split or node in a.token_data:
+        return False
+    a.need(node, target)
+    return True
 
 
 def split_operands(a, operands: Sequence[Operand]) -> list[Operand]:
