@@ -24,7 +24,7 @@ from lightning_autosp.compiler.analysis import Analysis, Redistribution
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import bind, meta_value
 from lightning_autosp.compiler.recompute import GlobalCopier
-from lightning_autosp.compiler.rules.reductions import conv_signature
+from lightning_autosp.compiler.rules.products import conv_signature
 
 
 def redistribute_pass(gm: fx.GraphModule, copier: GlobalCopier, ctx: SPContext) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_autosp.compiler.rules import dispatch, elementwise, reductions, shapes
+from lightning_autosp.compiler.rules import dispatch, elementwise, indexing, products, reductions, shapes
 
 Rule = Callable[..., object]
 
@@ -28,15 +28,15 @@ def _table() -> dict[str, Rule]:
     add("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as ravel", shapes.view)
     add("permute transpose swapaxes swapdims movedim t T mT", shapes.permute)
     add("expand expand_as broadcast_to repeat", shapes.expand)
-    add("getitem", shapes.getitem)
-    add("setitem", shapes.setitem)
-    add("narrow slice", shapes.narrow)
-    add("select", shapes.select)
+    add("getitem", indexing.getitem)
+    add("setitem", indexing.setitem)
+    add("narrow slice", indexing.narrow)
+    add("select", indexing.select)
     add(
         "index_select gather take_along_dim scatter scatter_add scatter_reduce index_add index_copy "
         "index_fill index_put scatter_ scatter_add_ scatter_reduce_ index_add_ index_copy_ index_fill_ "
         "index_put_",
-        shapes.index_along,
+        indexing.index_along,
     )
     add("pad", shapes.pad)
     add("cat concat concatenate", shapes.cat)
@@ -57,14 +57,14 @@ def _table() -> dict[str, Rule]:
     add("repeat_interleave", reductions.repeat_interleave)
     add("layer_norm rms_norm", reductions.norm_over_last)
     add("batch_norm instance_norm group_norm", reductions.norm_over_channels)
-    add("linear", reductions.linear)
-    add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d", reductions.convolution)
-    add("matmul mm bmm", reductions.matmul)
-    add("einsum", reductions.einsum)
-    add("linalg_solve_triangular linalg_solve solve_triangular", reductions.solve)
-    add("addmm baddbmm", reductions.add_product)
-    add("embedding", reductions.embedding)
-    add("one_hot", reductions.one_hot)
+    add("linear", products.linear)
+    add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d", products.convolution)
+    add("matmul mm bmm", products.matmul)
+    add("einsum", products.einsum)
+    add("linalg_solve_triangular linalg_solve solve_triangular", products.solve)
+    add("addmm baddbmm", products.add_product)
+    add("embedding", products.embedding)
+    add("one_hot", products.one_hot)
     add(
         "sum nansum count_nonzero mean nanmean amax amin max min any all prod std var norm logsumexp argmax "
         "argmin median mode",
@@ -78,10 +78,10 @@ def _table() -> dict[str, Rule]:
         "kl_div",
         reductions.elementwise_loss,
     )
-    add("scaled_dot_product_attention", reductions.sdpa)
-    add("autograd_function_apply _flash_attn_forward _flash_attn_varlen_forward", reductions.flash)
-    add("cond invoke_subgraph while_loop map_impl", reductions.refuse_subgraph)
-    add("multi_head_attention_forward", reductions.refuse_attention_weights)
+    add("scaled_dot_product_attention", products.sdpa)
+    add("autograd_function_apply _flash_attn_forward _flash_attn_varlen_forward", products.flash)
+    add("cond invoke_subgraph while_loop map_impl", products.refuse_subgraph)
+    add("multi_head_attention_forward", products.refuse_attention_weights)
     return rules
 
 

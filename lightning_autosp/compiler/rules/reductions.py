@@ -1,9 +1,9 @@
-"""Rules for ops that read across a dim: matmuls, norms, softmax, scans, sorts, reductions, losses, attention.
+"""Rules for ops that read across a dim: norms, softmax, scans, sorts, flips, reductions, losses.
 
-Across any dim but the sequence they propagate. Across the sequence: attention is rewritten (all-to-all,
-``attention.py``); a sum becomes ``PARTIAL``, a mean a sum over the global count, a max an all-reduce
-(``losses.py``); cross-entropy and NLL keep their mean over the valid tokens of the whole sequence;
-scans and sorts of token data are recomputed for the whole sequence; on activations they are refused.
+Across any dim but the sequence they propagate. Across the sequence: a sum becomes ``PARTIAL``, a mean a sum
+over the global count, a max an all-reduce (``losses.py``); cross-entropy and NLL keep their mean over the
+valid tokens of the whole sequence; scans, sorts and flips of token data are recomputed for the whole
+sequence, of activations run on the whole sequence for a block of another dim (Note [Redistribution]).
 """
 
 from __future__ import annotations
@@ -13,32 +13,25 @@ import inspect
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
-from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, shard
+from lightning_autosp.compiler.fx_utils import bind, op_name
+from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout
 from lightning_autosp.compiler.rules import dispatch
-from lightning_autosp.compiler.rules.common import arg, ndim, normalize_dims, reduced_positions, tensor_nodes
-from lightning_autosp.compiler.rules.elementwise import elementwise_function, pointwise
+from lightning_autosp.compiler.rules.common import (
+    ATTENTION_FIX,
+    arg,
+    materialize_all,
+    ndim,
+    no_split_fix,
+    normalize_dims,
+    reduced_positions,
+)
+from lightning_autosp.compiler.rules.elementwise import pointwise
 from lightning_autosp.compiler.rules.split import (
     Operand,
     align,
-    broadcast,
     choose,
     handles_split,
-    split_operands,
 )
-
-_ATTENTION_FIX = (
-    "Compute attention with torch.nn.functional.scaled_dot_product_attention (HF: "
-    "attn_implementation='sdpa') "
-    "or flash-attn's flash_attn_func, which the SP pass rewrites"
-)
-
-
-def _materialize_all(a, node: fx.Node) -> list[Layout]:
-    tensors = tensor_nodes([*node.args, *node.kwargs.values()])
-    for tensor in tensors:
-        a.materialize(tensor)
-    return [REPLICATE if a.layout(t) == PARTIAL else a.layout(t) for t in tensors]
 
 
 def along_dim(
@@ -49,7 +42,7 @@ def along_dim(
     Across the sequence of an activation it runs on the whole sequence for a block of another dim
     (Note [Redistribution]); ``keeps_blocks``: along a split dim too (repeat_interleave maps blocks to
     blocks)."""
-    _materialize_all(a, node)
+    materialize_all(a, node)
     source = node.args[0]
     layout = a.layout(source)
     rank = ndim(source)
@@ -66,28 +59,14 @@ def along_dim(
             layout = regrouped
     out = (layout,) * tuple_out if tuple_out else layout
     if set(dims) & set(layout.dims) and not layout.is_split:
-        return a.mixes(node, what, out, _no_split_fix(a, source, fix))
+        return a.mixes(node, what, out, no_split_fix(a, source, fix))
     return out
-
-
-def _no_split_fix(a, source: fx.Node, fix: str) -> str:
-    """The fix of an op on the sequence that no dim of ``source`` could be split over."""
-    if a.layout(source).flat:
-        return (
-            f"{fix} (its tokens are flattened together with the batch, so it cannot run on the whole "
-            "sequence for a block of another dim: keep the [B, S, ...] dims apart for this op)"
-        )
-    sizes = [int(size) if not a.has_sequence_symbol(size) else "S" for size in a.shape(source) or ()]
-    return (
-        f"{fix} (no dim it treats independently, of sizes {sizes}, divides by sp_size="
-        f"{a.context.shard.world}, which would let it run on the whole sequence for a block of that dim)"
-    )
 
 
 @dispatch.handles_local_order
 @handles_split
 def softmax(a, node: fx.Node) -> Layout:
-    return along_dim(a, node, arg(node, 1, "dim"), "normalizes (softmax)", _ATTENTION_FIX)
+    return along_dim(a, node, arg(node, 1, "dim"), "normalizes (softmax)", ATTENTION_FIX)
 
 
 @dispatch.handles_local_order
@@ -170,7 +149,7 @@ def repeat_interleave(a, node: fx.Node) -> Layout:
 @handles_split
 def triangle(a, node: fx.Node) -> Layout:
     """tril / triu over the last two dims: a mask's [S_r, S_r] block stays a mask; one sequence dim mixes."""
-    _materialize_all(a, node)
+    materialize_all(a, node)
     layout = a.layout(node.args[0])
     rank = ndim(node.args[0])
     last_two = {rank - 2, rank - 1}
@@ -183,64 +162,14 @@ def triangle(a, node: fx.Node) -> Layout:
         return layout
     inside = last_two & set(layout.dims)
     if inside and inside != last_two:
-        return a.mixes(node, "keeps a triangle of a matrix with one sequence dim", layout, _ATTENTION_FIX)
+        return a.mixes(node, "keeps a triangle of a matrix with one sequence dim", layout, ATTENTION_FIX)
     return layout
-
-
-@handles_split
-def convolution(a, node: fx.Node) -> Layout:
-    """conv1d / conv2d / conv3d and their transposes over [N, C, *spatial]. Along the spatial dims each
-    output reads neighbours, which at a shard's edge live on the next rank; a grouped convolution whose
-    groups divide by P (a depthwise causal convolution, as in Mamba and gated-delta layers) runs on the
-    whole sequence for a block of the groups instead (Note [Redistribution])."""
-    _materialize_all(a, node)
-    source = node.args[0]
-    layout = a.layout(source)
-    if layout.is_split and layout.split != 1:
-        layout = a.sequence_home(source)
-    if not layout.is_split and not any(d >= 2 for d in layout.dims):
-        return layout
-    args = bind(node, conv_signature(node))
-    groups, world = args.get("groups"), a.context.shard.world
-    if op_name(node).startswith("conv") and isinstance(groups, int) and groups % world == 0:
-        operands = [Operand(source, {d: d for d in range(ndim(source))}), Operand(args["weight"], {0: 1})]
-        if isinstance(args["bias"], fx.Node):
-            operands.append(Operand(args["bias"], {0: 1}))
-        regrouped = align(a, operands, 1, ndim(node))
-        if regrouped is not None:
-            a.plan.split_convolutions[node] = groups // world
-            return regrouped
-    return a.refuse(
-        node,
-        "convolves along the sequence: outputs at a shard's edge need the neighbouring rank's tokens, and "
-        f"its groups ({groups}) do not divide by sp_size={world} to run it on the whole sequence for a "
-        "block of the channels",
-        "Use a depthwise or grouped convolution with groups divisible by sp_size, put the sequence in the "
-        "batch or channel dim, or convolve in the data pipeline",
-    )
-
-
-def conv_signature(node: fx.Node) -> inspect.Signature:
-    return _CONV_SIGNATURES.get(op_name(node), _CONV_SIGNATURES["conv1d"])
-
-
-_CONV_SIGNATURES = {
-    name: inspect.signature(
-        lambda input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1: None  # noqa: A006
-    )
-    for name in ("conv1d", "conv2d", "conv3d")
-} | {
-    name: inspect.signature(
-        lambda input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1: None  # noqa: A006
-    )
-    for name in ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
-}
 
 
 @dispatch.handles_local_order
 def norm_over_last(a, node: fx.Node) -> Layout:
     """layer_norm / rms_norm: normalized over the trailing ``normalized_shape`` dims."""
-    _materialize_all(a, node)
+    materialize_all(a, node)
     source = node.args[0]
     layout = a.layout(source)
     normalized = arg(node, 1, "normalized_shape")
@@ -252,7 +181,7 @@ def norm_over_last(a, node: fx.Node) -> Layout:
 
 def norm_over_channels(a, node: fx.Node) -> Layout:
     """batch_norm / instance_norm / group_norm: statistics over the batch or spatial dims."""
-    _materialize_all(a, node)
+    materialize_all(a, node)
     layout = a.layout(node.args[0])
     if any(d != 1 for d in layout.dims):
         return a.refuse(
@@ -261,225 +190,6 @@ def norm_over_channels(a, node: fx.Node) -> Layout:
             "Use LayerNorm or RMSNorm over the hidden dim",
         )
     return layout
-
-
-@dispatch.handles_local_order
-def linear(a, node: fx.Node) -> Layout:
-    layouts = _materialize_all(a, node)
-    source = node.args[0]
-    layout = a.layout(source)
-    if any(layout.kind != "replicate" for layout in layouts[1:]):
-        return a.refuse(node, "multiplies by a weight that holds sequence data", "Keep weights replicated")
-    if ndim(source) - 1 in layout.dims:
-        return a.refuse(node, "contracts over the sequence dim", _ATTENTION_FIX)
-    return layout
-
-
-@dispatch.handles_local_order
-@handles_split
-def matmul(a, node: fx.Node) -> Layout:
-    """matmul / @ / mm / bmm: contracts the last dim of the left with the second-last of the right."""
-    _materialize_all(a, node)
-    return _product(a, node, node.args[0], node.args[1])
-
-
-@dispatch.handles_local_order
-@handles_split
-def add_product(a, node: fx.Node) -> Layout:
-    """addmm / baddbmm (GPT-2's Conv1D, Bloom's ALiBi scores): ``beta * input + alpha * (left @ right)``."""
-    _materialize_all(a, node)
-    first, second = ("batch1", "batch2") if op_name(node) == "baddbmm" else ("mat1", "mat2")
-    bias, left, right = arg(node, 0, "input"), arg(node, 1, first), arg(node, 2, second)
-    return _product(a, node, left, right, bias=bias)
-
-
-@handles_split
-def solve(a, node: fx.Node) -> Layout:
-    """linalg.solve_triangular / linalg.solve (``A^-1 B``, batched over the leading dims): laid out like the
-    product ``A @ B`` (chunked gated-delta rules solve within chunks of the whole sequence)."""
-    _materialize_all(a, node)
-    return _product(a, node, arg(node, 0, "A"), arg(node, 1, "B"))
-
-
-def _matmul_operands(left: fx.Node, right: fx.Node, rank: int) -> list[Operand]:
-    """Where each dim of a matmul's operands goes in its output (batch dims broadcast from the right)."""
-    rank_l, rank_r = ndim(left), ndim(right)
-    to_left = {d: d + rank - rank_l for d in range(rank_l - 2)}
-    if rank_l >= 2:
-        to_left[rank_l - 2] = rank - 2 if rank_r >= 2 else rank - 1
-    to_right = {d: d + rank - rank_r for d in range(rank_r - 2)}
-    if rank_r >= 2:
-        to_right[rank_r - 1] = rank - 1
-    return [Operand(left, to_left), Operand(right, to_right)]
-
-
-def _product(a, node: fx.Node, left: fx.Node, right: fx.Node, bias: object = None) -> Layout:
-    rank_l, rank_r, rank = ndim(left), ndim(right), ndim(node)
-    if any(a.layout(t).is_local_order for t in (left, right, bias) if isinstance(t, fx.Node)):
-        # rows of this rank's tokens times weights: per row (dim 0 of a left operand with more dims)
-        if (
-            a.layout(left).kind == "rows"
-            and rank_l >= 2
-            and all(a.layout(t) == REPLICATE for t in (right, bias) if isinstance(t, fx.Node))
-        ):
-            return a.layout(left)
-        return a.refuse(node, "multiplies across rows of this rank's tokens", dispatch.FIX)
-    operands = _matmul_operands(left, right, rank)
-    if isinstance(bias, fx.Node):
-        operands.append(broadcast(bias, rank))
-    batch = list(range(rank - 2))
-    regrouped = _product_of_split(a, operands, rank)
-    if regrouped is not None:
-        return regrouped
-    if isinstance(bias, fx.Node) and a.layout(bias) != REPLICATE and not _pairwise(a, left, right):
-        return a.refuse(node, "adds a product to a value that holds sequence data", "Add the bias separately")
-    lay_l, lay_r = a.layout(left), a.layout(right)
-    contracted_l = rank_l - 1 in lay_l.dims
-    contracted_r = (rank_r >= 2 and rank_r - 2 in lay_r.dims) or (rank_r == 1 and 0 in lay_r.dims)
-    if contracted_l or contracted_r:
-        if _sum_over_tokens(a, node, left, right, contracted_l and contracted_r) and bias is None:
-            return PARTIAL
-        what = "multiplies matrices over the sequence dim (attention written by hand?)"
-        return _split_or_refuse(a, node, operands, batch, rank, what, REPLICATE)
-    dims = {d + rank - rank_l for d in lay_l.dims}
-    if rank_r >= 2:
-        dims |= {d + rank - rank_r for d in lay_r.dims if d != rank_r - 1} | (
-            {rank - 1} if rank_r - 1 in lay_r.dims else set()
-        )
-    if _pairwise(a, left, right):
-        what = "forms a [tokens x tokens] matrix of activations (attention written by hand?)"
-        return _split_or_refuse(a, node, operands, batch, rank, what, shard(*dims))
-    return shard(*dims)
-
-
-def _pairwise(a, left: fx.Node, right: fx.Node) -> bool:
-    rank_l, rank_r = ndim(left), ndim(right)
-    lay_l, lay_r = a.layout(left), a.layout(right)
-    return rank_l >= 2 and rank_l - 2 in lay_l.dims and rank_r >= 2 and rank_r - 1 in lay_r.dims
-
-
-def _sum_over_tokens(a, node: fx.Node, left: fx.Node, right: fx.Node, both: bool) -> bool:
-    """``k^T @ v`` over this rank's tokens, both sharded along the contracted dim only: a partial sum
-    (the state of linear attention without a causal mask)."""
-    lay_l, lay_r = a.layout(left), a.layout(right)
-    return (
-        both
-        and lay_l.kind == lay_r.kind == "shard"
-        and len(lay_l.dims) == len(lay_r.dims) == 1
-        and not lay_l.flat
-        and not lay_r.flat
-        and node not in a.token_data
-    )
-
-
-def _product_of_split(a, operands: list[Operand], rank: int) -> Layout | None:
-    """A product with a split operand stays split along a dim it does not contract; else the split
-    operands go back to sequence shards."""
-    split_side = split_operands(a, operands)
-    if not split_side:
-        return None
-    out_dim = split_side[0].to_out.get(a.layout(split_side[0].node).split)
-    regrouped = align(a, operands, out_dim, rank) if out_dim is not None else None
-    if regrouped is None:
-        for operand in split_side:
-            a.sequence_home(operand.node)
-    return regrouped
-
-
-def _split_or_refuse(
-    a, node: fx.Node, operands: list[Operand], batch: list[int], rank: int, what: str, out: Layout
-) -> Layout:
-    """An op that relates tokens to tokens: on the whole sequence for a block of a batch dim (heads),
-    else refused (token data: recomputed)."""
-    if node not in a.token_data:
-        out_dim = choose(a, operands, batch)
-        regrouped = align(a, operands, out_dim, rank) if out_dim is not None else None
-        if regrouped is not None:
-            return regrouped
-    return a.mixes(node, what, out, _no_split_fix(a, operands[0].node, _ATTENTION_FIX))
-
-
-@dispatch.handles_local_order
-@handles_split
-def einsum(a, node: fx.Node) -> Layout:
-    """einsum: per token when every sharded operand carries the sequence letter into the output; a sum
-    over tokens (``PARTIAL``) when the letter is summed; anything relating tokens to tokens runs on the
-    whole sequence for a block of a letter every operand shares (Note [Redistribution])."""
-    equation, operands = _einsum_parts(node)
-    if equation is None or "." in equation:
-        return a.refuse(
-            node,
-            "uses an einsum with '...' or in a form the pass does not parse",
-            "Spell out every dim's letter (e.g. 'bhsd,bhtd->bhst')",
-        )
-    _materialize_all(a, node)
-    if any(a.layout(op).is_local_order for op in operands):
-        return a.refuse(node, "relates rows of this rank's tokens in an einsum", dispatch.FIX)
-    inputs, out = _einsum_letters(equation)
-    rank = len(out)
-    mapped = [
-        Operand(op, {d: out.index(letter) if letter in out else None for d, letter in enumerate(letters)})
-        for op, letters in zip(operands, inputs)
-    ]
-    regrouped = _product_of_split(a, mapped, rank)
-    if regrouped is not None:
-        return regrouped
-    layouts = [a.layout(op) for op in operands]
-    sequence = {letters[d] for letters, layout in zip(inputs, layouts) for d in layout.dims}
-    if not sequence:
-        return REPLICATE
-    if len(sequence) == 1 and all(layout.kind in ("shard", "replicate") for layout in layouts):
-        (letter,) = sequence
-        sharded = [layout for layout in layouts if layout.kind == "shard"]
-        replicated = [letters for letters, layout in zip(inputs, layouts) if layout.kind == "replicate"]
-        if all(len(x.dims) == 1 for x in sharded) and not any(letter in x for x in replicated):
-            if letter not in out:
-                return PARTIAL  # a sum over this rank's tokens
-            flat = (out.index(letter),) if any(x.flat for x in sharded) else ()
-            return shard(out.index(letter), flat=flat)  # token by token
-    candidates = [out.index(letter) for letter in out if letter not in sequence]
-    return _split_or_refuse(
-        a,
-        node,
-        mapped,
-        candidates,
-        rank,
-        "relates tokens to tokens (einsum)",
-        shard(*[out.index(letter) for letter in sequence if letter in out]),
-    )
-
-
-def _einsum_parts(node: fx.Node) -> tuple[str | None, list[fx.Node]]:
-    args = list(node.args)
-    if not args or not isinstance(args[0], str):
-        return None, []
-    operands = args[1:]
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    return args[0].replace(" ", ""), [op for op in operands if isinstance(op, fx.Node)]
-
-
-def _einsum_letters(equation: str) -> tuple[list[str], str]:
-    left, _, out = equation.partition("->")
-    inputs = left.split(",")
-    if "->" not in equation:  # implicit output: the letters used once, in order
-        letters = "".join(inputs)
-        out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
-    return inputs, out
-
-
-@dispatch.handles_local_order
-def embedding(a, node: fx.Node) -> Layout:
-    _materialize_all(a, node)
-    indices, weight = node.args[0], node.args[1]
-    if a.layout(weight) != REPLICATE:
-        return a.refuse(node, "looks up a table that holds sequence data", "Keep embedding tables replicated")
-    return a.layout(indices)
-
-
-@dispatch.handles_local_order
-def one_hot(a, node: fx.Node) -> Layout:
-    return a.layout(node.args[0])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -553,7 +263,7 @@ def reduction(a, node: fx.Node) -> object:
             return reduction(a, node)
     out = (REPLICATE, REPLICATE) if returns_indices else REPLICATE
     return a.mixes(
-        node, f"reduces ({name}) over the sequence", out, _no_split_fix(a, source, "Reduce with sum or mean")
+        node, f"reduces ({name}) over the sequence", out, no_split_fix(a, source, "Reduce with sum or mean")
     )
 
 
@@ -588,7 +298,7 @@ _LOSS_SIGNATURES = {
 
 def class_loss(a, node: fx.Node) -> Layout:
     """cross_entropy / nll_loss: class dim 1 (0 for a 1-D input); every other dim indexes tokens."""
-    _materialize_all(a, node)
+    materialize_all(a, node)
     source, target = node.args[0], arg(node, 1, "target")
     layout, target_layout = a.layout(source), a.layout(target)
     if 1 % max(ndim(source), 1) in layout.dims and ndim(source) > 1:
@@ -631,92 +341,3 @@ def elementwise_loss(a, node: fx.Node) -> Layout:
         return PARTIAL  # sum / batch size: the batch is not sharded
     a.plan.reductions.append(node)
     return PARTIAL
-
-
-# --------------------------------------------------------------------------------------------------
-# attention
-
-
-def sdpa(a, node: fx.Node) -> Layout:
-    query, key, value = (arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
-    layouts = [a.layout(t) for t in (query, key, value)]
-    mask = arg(node, 3, "attn_mask")
-    if all(layout == REPLICATE for layout in layouts):
-        return REPLICATE if a.layout(mask) in (REPLICATE, CAUSAL) else _refuse_mask(a, node)
-    seq = ndim(query) - 2
-    if any(layout != shard(seq) for layout in layouts):
-        return a.refuse(
-            node,
-            f"attends with q/k/v of layouts {[str(layout) for layout in layouts]}; only "
-            "self-attention over the "
-            f"sharded sequence (its dim {seq}) is supported",
-            "Attend over the sequence the batch carries (no cross-attention to other sequences)",
-        )
-    mask_layout = a.layout(mask)
-    if mask_layout.kind == "shard" and mask not in a.token_data:
-        return _refuse_mask(a, node)
-    if mask_layout == PARTIAL:
-        a.materialize(mask)
-    a.plan.attention.append(node)
-    return shard(seq)
-
-
-def _refuse_mask(a, node: fx.Node) -> Layout:
-    return a.refuse(
-        node,
-        "uses an attention mask computed from activations or parameters, which cannot be rebuilt for "
-        "the whole sequence",
-        "Build masks from sizes or per-token inputs (positions, document ids, padding), or use "
-        "is_causal=True",
-    )
-
-
-def flash(a, node: fx.Node) -> object:
-    match = a.flash_matches.get(node)
-    if match is None and op_name(node) == "autograd_function_apply":
-        return elementwise_function(a, node)
-    if match is None:
-        return a.refuse(node, "is an attention kernel the SP pass does not know", _ATTENTION_FIX)
-    layouts = [a.layout(match.operands[name]) for name in ("q", "k", "v")]
-    for name in ("cu_seqlens_q", "cu_seqlens_k"):
-        if name in match.operands and a.layout(match.operands[name]) != REPLICATE:
-            return a.refuse(
-                node,
-                f"{name} is computed from the sequence (this rank's shard), but after the all-to-all "
-                "attention runs over the whole row",
-                "Put the cu_seqlens of the whole packed row in the batch (one row per batch)",
-            )
-    seq = match.seq_dim
-    if any(layout.flat for layout in layouts):
-        return a.refuse(
-            node,
-            "flash_attn_varlen_func over a batch flattened to B * S_r tokens",
-            "Use one packed row per batch (batch size 1) and mark its documents with cu_seqlens",
-        )
-    if any(layout != shard(seq) for layout in layouts):
-        return a.refuse(node, f"flash-attn with q/k/v of layouts {[str(x) for x in layouts]}", _ATTENTION_FIX)
-    a.plan.attention.append(node)
-    value = meta_value(node)
-    count = len(value) if isinstance(value, (tuple, list)) else 1
-    return (shard(seq),) * count if isinstance(value, (tuple, list)) else shard(seq)
-
-
-def refuse_subgraph(a, node: fx.Node) -> Layout:
-    return a.refuse(
-        node,
-        "runs sequence data through a region the pass cannot see into (a custom autograd.Function, "
-        "torch.cond, a loop)",
-        "Write the custom Function's math inline (its backward comes from autograd), or take the branch "
-        "outside the compiled step",
-    )
-
-
-def refuse_attention_weights(a, node: fx.Node) -> Layout:
-    """What ``normalize.py`` left of ``multi_head_attention_forward``: weights used, or its rarer options."""
-    return a.refuse(
-        node,
-        "is nn.MultiheadAttention returning attention weights that are used, or with bias_k/bias_v, "
-        "add_zero_attn, separate q/k/v projection weights, static keys or cross-attention",
-        "Call it with need_weights=False (the [L, S] weights are what sequence parallelism avoids "
-        "materializing), or write the attention with F.scaled_dot_product_attention",
-    )

@@ -1,0 +1,248 @@
+"""Rules for ops that cut or pick along dims: slices, narrows, selections, indexing, indexed writes.
+
+Slices along the sequence are rewritten to slice the global sequence (``slices.py``); a replicated table
+sliced by the length (``pos_emb[:, :T]``, a rope cache) gives its rows at this rank's positions
+(``positions.py``); positions picked along the sequence of an activation (``x[:, -1]``) are a partial sum
+(``slices.py``: selections); a mixture of experts' gathers follow its token permutation (``dispatch.py``);
+anything else that picks tokens by index is recomputed whole for token data and refused otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from lightning_autosp.compiler.fx_utils import index_items, meta_value
+from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard
+from lightning_autosp.compiler.rules import dispatch
+from lightning_autosp.compiler.rules.common import (
+    INDEX_FIX,
+    arg,
+    ndim,
+    normalize_dims,
+    sequence_dims_of_output,
+    tensor_nodes,
+)
+from lightning_autosp.compiler.rules.split import handles_split
+
+
+@dispatch.handles_local_order
+@handles_split
+def getitem(a, node: fx.Node) -> object:
+    source, index = node.args
+    layouts = a.layouts.get(source)
+    if isinstance(layouts, tuple):  # an element of a tuple-valued op (split, topk, max(dim))
+        return layouts[index] if isinstance(index, int) and index < len(layouts) else REPLICATE
+    if not isinstance(meta_value(source), torch.Tensor):
+        return REPLICATE
+    rank = ndim(source)
+    items = index_items(index, rank)
+    items += [slice(None)] * (rank - sum(1 for item in items if item is not None))
+    tensor_items = [
+        item for item in items if isinstance(item, fx.Node) and isinstance(meta_value(item), torch.Tensor)
+    ]
+    if a.layout(source).is_split:
+        return _getitem_of_split(a, node, items, tensor_items)
+    if len(tensor_items) == 1 and items[0] is tensor_items[0]:  # x[index] along dim 0
+        permuted = dispatch.gather(a, node, source, tensor_items[0])
+        if permuted is not None:
+            return permuted
+    if a.layout(source).is_local_order and not (items and _is_full(a, items[0])):
+        return a.refuse(node, f"indexes the row dim of {a.layout(source)}", dispatch.FIX)
+    if tensor_items:
+        return _advanced_index(a, node, items, tensor_items)
+    a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
+    layout = a.layout(source)
+    if layout == PARTIAL:
+        return PARTIAL
+    where, in_dim, out_dim = {}, 0, 0
+    sliced_sequence, table_dims = False, []
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        if isinstance(item, slice):
+            if in_dim in layout.dims and not _is_full(a, item):
+                sliced_sequence = True
+                if in_dim in layout.flat:
+                    return a.mixes(
+                        node, "slices a dim that flattens tokens with other dims", layout, INDEX_FIX
+                    )
+                if item.step not in (None, 1):
+                    return a.mixes(node, "takes a strided slice", layout, "Use step 1 along the sequence")
+            elif layout == REPLICATE and _bounded_by_length(a, item):
+                table_dims.append((item, out_dim))
+            where[in_dim] = out_dim
+            out_dim += 1
+        else:  # an int: selects one position
+            if in_dim in layout.dims:
+                return _position(a, node, layout, layout.mapped(where))
+            where[in_dim] = None
+        in_dim += 1
+    if len(table_dims) == 1:
+        return _table_slice(a, node, *table_dims[0])
+    if table_dims:  # buffer[:T, :T]: a [T, T] block of a mask, rebuilt where attention uses it
+        return shard(*(dim for _, dim in table_dims))
+    if sliced_sequence:
+        if layout.kind != "shard" or layout.is_pairwise:
+            return a.mixes(node, "slices a mask along the sequence", layout.mapped(where), INDEX_FIX)
+        a.plan.slices.append(node)
+    return layout.mapped(where)
+
+
+def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Layout:
+    """Basic indexing of a split value: its sequence dims are whole, so any slice of them is taken as
+    written (at the global length); the split dim itself must stay whole."""
+    source = node.args[0]
+    layout = a.layout(source)
+    a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
+    where, in_dim, out_dim = {}, 0, 0
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        whole = isinstance(item, slice) and _is_full(a, item)
+        if tensor_items or (in_dim == layout.split and not whole):
+            a.sequence_home(source)
+            return getitem(a, node)
+        if isinstance(item, slice):
+            where[in_dim] = out_dim
+            out_dim += 1
+        else:
+            where[in_dim] = None
+        in_dim += 1
+    return layout.mapped(where)
+
+
+def _is_full(a, item: slice) -> bool:
+    return item.start in (None, 0) and item.step in (None, 1) and item.stop is None
+
+
+def _bounded_by_length(a, item: slice) -> bool:
+    return any(a.has_sequence_symbol(a.size_expr(v)) for v in (item.start, item.stop, item.step))
+
+
+def _table_slice(a, node: fx.Node, item: slice, out_dim: int) -> Layout:
+    """``table[:T]`` of a replicated table (learned positions, a rope cache): rows at this rank's "
+    "positions."""
+    start, step = a.size_expr(item.start), a.size_expr(item.step)
+    if (item.start is not None and start != 0) or (item.step is not None and step != 1):
+        return a.refuse(
+            node,
+            f"slices a replicated table by the sequence length with start {item.start} / step {item.step}",
+            "Slice position tables from 0 (table[:T]), or index them with position ids",
+        )
+    a.plan.tables.append(node)
+    return shard(out_dim)
+
+
+def _advanced_index(a, node: fx.Node, items: list, tensor_items: list[fx.Node]) -> Layout:
+    """``x[..., idx, ...]``: one tensor index on a dim that is not the sequence (a table looked up by
+    per-token ids) propagates; indexing along the sequence is recomputed (token data) or refused."""
+    source = node.args[0]
+    layout = a.layout(source)
+    indexed = [d for d, item in enumerate(i for i in items if i is not None) if isinstance(item, fx.Node)]
+    cut = any(
+        isinstance(item, slice) and d in layout.dims and not _is_full(a, item) for d, item in enumerate(items)
+    )
+    index_layouts = [a.layout(t) for t in tensor_items]
+    for tensor in tensor_items:
+        a.materialize(tensor)
+    index_layouts = [a.layout(t) for t in tensor_items]
+    along = [d for d in indexed if d in layout.dims]
+    if along and not cut and all(x == REPLICATE for x in index_layouts) and a.context.shard.is_contiguous:
+        # positions of the whole sequence (a classifier's last token): each rank picks those it holds
+        return _position(a, node, layout, REPLICATE)
+    if len(tensor_items) > 1 or cut or along:
+        out = shard(*sequence_dims_of_output(a, node))
+        return a.mixes(node, "indexes along the sequence with a tensor of indices", out, INDEX_FIX)
+    if layout.kind not in ("shard", "replicate") or index_layouts[0].kind not in ("shard", "replicate"):
+        return a.refuse(node, "indexes a value of layout {layout} by {index_layouts[0]}", INDEX_FIX)
+    (position,) = indexed
+    index_rank = ndim(tensor_items[0])
+    where = {d: (d if d < position else d - 1 + index_rank) for d in range(ndim(source)) if d != position}
+    out = layout.mapped(where)
+    dims = set(out.dims) | {position + d for d in index_layouts[0].dims}
+    flat = set(out.flat) | {position + d for d in index_layouts[0].flat}
+    return shard(*dims, flat=tuple(flat))
+
+
+def narrow(a, node: fx.Node) -> Layout:
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    if layout == PARTIAL:
+        return PARTIAL
+    dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
+    if layout == REPLICATE and a.has_sequence_symbol(a.size_expr(arg(node, 3, "length"))):
+        return _table_slice(a, node, slice(arg(node, 2, "start"), None), dim)
+    if dim in layout.dims:
+        if dim in layout.flat or layout.kind != "shard" or layout.is_pairwise:
+            return a.mixes(node, "narrows a flattened or pairwise sequence dim", layout, INDEX_FIX)
+        a.plan.slices.append(node)
+    return layout
+
+
+def select(a, node: fx.Node) -> Layout:
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    if layout == PARTIAL:
+        return PARTIAL
+    dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
+    where = {d: (d if d < dim else d - 1) for d in range(rank) if d != dim}
+    if dim in layout.dims:
+        return _position(a, node, layout, layout.mapped(where))
+    return layout.mapped(where)
+
+
+def _position(a, node: fx.Node, layout: Layout, out: Layout) -> Layout:
+    """Positions picked along the sequence of an activation (``x[:, -1]``, ``x[arange(B), last]``): the
+    rank holding a position gives it, the others zeros, so the result is a partial sum (DTensor's
+    ``Partial``) that one all-reduce makes whole where it is needed (``slices.py``: selections)."""
+    if node in a.token_data or layout.kind != "shard" or len(layout.dims) != 1 or layout.flat:
+        return a.mixes(
+            node,
+            "selects single positions",
+            out,
+            "Pool over the sequence (e.g. a mean) or select the position in the data pipeline",
+        )
+    a.plan.selections.append(node)
+    return PARTIAL
+
+
+def index_along(a, node: fx.Node) -> Layout:
+    """index_select / gather / take_along_dim / scatter / index_add / index_copy / index_fill."""
+    rank = ndim(node.args[0])
+    dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
+    layouts = [a.layout(t) for t in tensor_nodes(node.args)]
+    if any(layout == PARTIAL for layout in layouts):
+        for tensor in tensor_nodes(node.args):
+            a.materialize(tensor)
+    sequence = set().union(*(set(layout.dims) for layout in layouts if layout.kind == "shard"))
+    if dim in sequence or any(layout.kind not in ("shard", "replicate", "partial") for layout in layouts):
+        return a.mixes(
+            node, "indexes along the sequence", shard(*sequence_dims_of_output(a, node)), INDEX_FIX
+        )
+    flat = set().union(*(set(layout.flat) for layout in layouts if layout.kind == "shard")) & sequence
+    result = shard(*sequence, flat=tuple(flat))
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    target = node.args[0]
+    if name.endswith("_") and (a.moved(target) or a.layout(target) != result):  # in place: keeps its layout
+        return a.refuse(
+            node,
+            f"writes a value of layout {result} in place into {target.name} ({a.layout(target)})",
+            "Assign the result to a new tensor instead of updating one in place",
+        )
+    return result
+
+
+@dispatch.handles_local_order
+def setitem(a, node: fx.Node) -> Layout:
+    inverse = dispatch.inverse(a, node)
+    if inverse is not None:
+        return inverse
+    return a.refuse(
+        node,
+        "assigns into a tensor by index (x[i] = y) where sequence data is involved",
+        "Build the tensor with torch.where or scatter instead of an indexed assignment",
+    )
