@@ -146,7 +146,6 @@ class Analysis:
         self, gm: fx.GraphModule, example_inputs: Sequence[object], context: SPContext, tags: SequenceTags
     ) -> None:
         self.gm, self.context, self.tags, self.rules = gm, context, tags, RULES
-        self.flash_matches = {match.node: match for match in find_flash_attention(gm)}
         self.example_inputs = list(example_inputs)
         self.layouts: dict[fx.Node, object] = {}
         self.sizes: dict[fx.Node, sympy.Expr | tuple[sympy.Expr, ...]] = {}
@@ -160,6 +159,7 @@ class Analysis:
         self._shape_uses: set[fx.Node] = set()
         self._visiting: fx.Node | None = None
         self._needed: dict[fx.Node, Layout] = {}  # the layouts the visited op's rule asked for
+        self.flash_matches = {match.node: match for match in find_flash_attention(gm, self.refuse)}
 
     # ---------------------------------------------------------------------------------------------
     # running

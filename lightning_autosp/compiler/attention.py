@@ -35,7 +35,7 @@ from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import (
     FlashMatch,
-    check_flash_attention,
+    check_flash_heads,
     globalize_max_seqlen,
     set_output_value,
 )
@@ -221,7 +221,7 @@ def _lower_to_ring_attention(graph: fx.Graph, sdpa: fx.Node, ctx: SPContext) -> 
 
 def flash_pass(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext, report) -> None:
     """Give one flash-attn call the whole sequence for H/P of the heads (``flash.py`` found it)."""
-    check_flash_attention(match, ctx)
+    check_flash_heads(match, ctx)
     graph, world = gm.graph, ctx.shard.world
     dims = (match.head_dim, match.seq_dim)
     query, key, value = (match.operands[name] for name in ("q", "k", "v"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,71 +82,82 @@ def bind_op(node: fx.Node) -> dict[str, object]:
     return bound
 
 
-def find_flash_attention(gm: fx.GraphModule) -> list[FlashMatch]:
-    """Every flash-attn 2.x call in the graph.
+Refuse = Callable[[fx.Node, str, str], object]
 
-    Raises:
-        NotImplementedError: a flash-attn call in a form the pass does not know (flash-attn 3, a
-            wrapper Dynamo did not trace into, more than one attention in one autograd.Function).
-    """
+
+def _raise(node: fx.Node, reason: str, fix: str) -> None:
+    raise NotImplementedError(f"{node.name}: {reason}. {fix}")
+
+
+def find_flash_attention(gm: fx.GraphModule, refuse: Refuse = _raise) -> list[FlashMatch]:
+    """Every flash-attn 2.x call in the graph; a call in a form the pass does not know (flash-attn 3, a
+    wrapper Dynamo did not trace into, more than one attention in one autograd.Function) goes to
+    ``refuse(node, reason, fix)`` (the analysis' refusals; raised by default)."""
     matches = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is torch.ops.higher_order.autograd_function_apply:
             body = getattr(gm, node.args[0].target)
+            unknown = [
+                n
+                for n in body.graph.nodes
+                if _looks_like_flash(n) and _qualified_name(n.target) not in _FORWARD_OPS
+            ]
+            if unknown:
+                refuse(node, *_unknown_kernel(unknown[0]))
+                continue
             found = [n for n in body.graph.nodes if _qualified_name(n.target) in _FORWARD_OPS]
-            _refuse_unknown_flash(body, node.name)
             if len(found) > 1:
-                raise NotImplementedError(
-                    f"{node.name}: one autograd.Function calls flash-attn {len(found)} times; the SP pass "
-                    "rewrites one attention per Function (flash_attn_func / flash_attn_varlen_func)."
+                refuse(
+                    node,
+                    f"one autograd.Function calls flash-attn {len(found)} times; the SP pass rewrites one "
+                    "attention per Function",
+                    "Call flash_attn_func / flash_attn_varlen_func once per Function",
                 )
-            if found:
-                matches.append(_match_in_function(gm, node, body, found[0]))
+            elif found:
+                matches.append(_match_in_function(node, body, found[0], refuse))
         elif _qualified_name(node.target) in _FORWARD_OPS:
-            matches.append(_match_op(node))
+            matches.append(_match_op(node, refuse))
         elif _looks_like_flash(node):
-            _refuse(node)
-    return matches
+            refuse(node, *_unknown_kernel(node))
+    return [match for match in matches if match is not None]
 
 
-def _refuse_unknown_flash(body: fx.GraphModule, where: str) -> None:
-    for node in body.graph.nodes:
-        if _looks_like_flash(node) and _qualified_name(node.target) not in _FORWARD_OPS:
-            _refuse(node, where)
-
-
-def _refuse(node: fx.Node, where: str | None = None) -> None:
-    raise NotImplementedError(
-        f"{where or node.name}: {_qualified_name(node.target)} is not an attention call the SP pass can "
-        "rewrite. Supported: flash-attn 2.x's flash_attn_func and flash_attn_varlen_func (traced by "
-        "torch.compile into flash_attn::_flash_attn_forward / _flash_attn_varlen_forward), and "
-        "torch.nn.functional.scaled_dot_product_attention (HF: attn_implementation='sdpa')."
+def _unknown_kernel(node: fx.Node) -> tuple[str, str]:
+    return (
+        f"{_qualified_name(node.target)} is not an attention call the SP pass can rewrite",
+        "Supported: flash-attn 2.x's flash_attn_func and flash_attn_varlen_func (traced by torch.compile "
+        "into flash_attn::_flash_attn_forward / _flash_attn_varlen_forward), "
+        "torch.nn.functional.scaled_dot_product_attention, and attention written out",
     )
 
 
-def _match_op(op: fx.Node) -> FlashMatch:
+def _match_op(op: fx.Node, refuse: Refuse) -> FlashMatch | None:
     """The forward op in the graph itself (no autograd): its output 0 is the attention output."""
     outputs = {user.args[1]: user for user in op.users if user.target is operator.getitem}
     if any(index != 0 and user.users for index, user in outputs.items()) or 0 not in outputs:
-        raise NotImplementedError(
-            f"{op.name}: the attention probabilities or log-sum-exp of flash-attn are used; under SP "
-            "they would be per head group. Use only the attention output (return_attn_probs=False)."
+        return refuse(
+            op,
+            "the attention probabilities or log-sum-exp of flash-attn are used; under SP they would be per "
+            "head group",
+            "Use only the attention output (return_attn_probs=False)",
         )
     arguments = bind_op(op)
     operands = {name: value for name, value in arguments.items() if isinstance(value, fx.Node)}
     return FlashMatch(op, op, arguments, operands, outputs[0], _FORWARD_OPS[_qualified_name(op.target)])
 
 
-def _match_in_function(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, op: fx.Node) -> FlashMatch:
+def _match_in_function(node: fx.Node, body: fx.GraphModule, op: fx.Node, refuse: Refuse) -> FlashMatch | None:
     """The forward op inside ``autograd_function_apply``'s fwd_body: map its tensors to the outer graph."""
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     outer = node.args[2:]
     if len(placeholders) != len(outer):
-        raise NotImplementedError(
-            f"{node.name}: the autograd.Function around flash-attn takes {len(placeholders)} tensors but is "
-            f"called with {len(outer)}; the SP pass cannot tell which are q, k and v."
+        return refuse(
+            node,
+            f"the autograd.Function around flash-attn takes {len(placeholders)} tensors but is called with "
+            f"{len(outer)}, so the SP pass cannot tell which are q, k and v",
+            "Call flash_attn_func / flash_attn_varlen_func as they are",
         )
     arguments = bind_op(op)
     operands = {}
@@ -154,21 +166,22 @@ def _match_in_function(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, 
             continue
         source = _through_pads(value)
         if source.op != "placeholder":
-            raise NotImplementedError(
-                f"{node.name}: {name} of flash-attn is computed inside the autograd.Function "
-                f"({source.name}); the SP pass needs it as an input of the Function, as in flash_attn_func."
+            return refuse(
+                node,
+                f"{name} of flash-attn is computed inside the autograd.Function ({source.name})",
+                "Pass it as an input of the Function, as flash_attn_func does",
             )
         operands[name] = outer[placeholders.index(source)]
     (body_output,) = [n for n in body.graph.nodes if n.op == "output"]
     results = body_output.args[0][0]
-    if len(results) != 1:
-        raise NotImplementedError(
-            f"{node.name}: the flash-attn Function returns {len(results)} values (return_attn_probs=True?); "
-            "under SP only the attention output can be sent back to sequence shards."
-        )
     outputs = [user for user in node.users if user.target is operator.getitem and user.args[1] == 0]
-    if len(outputs) != 1:
-        raise NotImplementedError(f"{node.name}: the flash-attn output is not read as one value.")
+    if len(results) != 1 or len(outputs) != 1:
+        return refuse(
+            node,
+            f"the flash-attn Function returns {len(results)} values, read by {len(outputs)} ops "
+            "(return_attn_probs=True?); under SP only the attention output goes back to sequence shards",
+            "Use return_attn_probs=False and read the output once",
+        )
     return FlashMatch(node, op, arguments, operands, outputs[0], _FORWARD_OPS[_qualified_name(op.target)])
 
 
@@ -181,41 +194,46 @@ def _through_pads(node: fx.Node) -> fx.Node:
     return node
 
 
-def check_flash_attention(match: FlashMatch, ctx: SPContext) -> None:
-    """Raise, naming the fix, when a flash-attn call cannot be made exact under SP."""
-    args, world = match.arguments, ctx.shard.world
+def flash_refusal(match: FlashMatch, ctx: SPContext) -> tuple[str, str] | None:
+    """(why, the fix) when a flash-attn call cannot be made exact under SP, for the analysis to refuse."""
+    args = match.arguments
     if getattr(ctx.shard, "ring_degree", 1) > 1:
-        raise NotImplementedError(
-            f"{match.name}: flash-attn under ring attention (sp_size larger than the heads) is not supported "
-            "yet. Use an sp_size that divides the heads, or F.scaled_dot_product_attention."
+        return (
+            "flash-attn under ring attention (sp_size larger than the heads) is not supported yet",
+            "Use an sp_size that divides the heads, or F.scaled_dot_product_attention",
         )
     if args.get("alibi_slopes") is not None:
-        raise NotImplementedError(
-            f"{match.name}: flash-attn with alibi_slopes is not supported under SP yet (the per-head slopes "
-            "would have to follow the heads each rank holds). Use rotary or learned positions."
+        return (
+            "flash-attn with alibi_slopes is not supported under SP yet (the per-head slopes would have to "
+            "follow the heads each rank holds)",
+            "Use rotary or learned positions, or ALiBi as SDPA's attn_mask",
         )
     if args.get("return_softmax"):
-        raise NotImplementedError(f"{match.name}: use return_attn_probs=False under SP.")
+        return "flash-attn returns its attention probabilities", "Use return_attn_probs=False under SP"
     paged = [name for name in ("block_table", "leftpad_k", "seqused_k") if args.get(name) is not None]
     if paged:
-        raise NotImplementedError(
-            f"{match.name}: flash-attn's {', '.join(paged)} (KV-cache inference) are not supported under SP."
-        )
+        return f"flash-attn's {', '.join(paged)} are KV-cache inference options", "Leave them out in training"
     query, key = (example_value(match.operands[name]) for name in ("q", "k"))
     local = ctx.shard.local_len
     if query.shape[match.seq_dim] != local or key.shape[match.seq_dim] != local:
         hint = (
-            " flash_attn_varlen_func over a batch flattened to B*S_r tokens is not supported: use one packed "
-            "row per batch (batch size 1) and mark its documents with cu_seqlens."
+            "Use one packed row per batch (batch size 1) and mark its documents with cu_seqlens: "
+            "flash_attn_varlen_func over a batch flattened to B*S_r tokens is not supported"
             if match.layout == "SHD"
-            else ""
+            else "Attend over the sequence the batch carries"
         )
         lengths = f"{query.shape[match.seq_dim]} query and {key.shape[match.seq_dim]} key positions"
-        raise NotImplementedError(
-            f"Attention {match.name} has {lengths} but this rank holds {local} tokens: only self-attention "
-            f"over the sharded sequence is supported.{hint}"
+        return (
+            f"has {lengths} but this rank holds {local} tokens: only self-attention over the sharded "
+            "sequence is supported",
+            hint,
         )
-    heads = query.shape[match.head_dim]
+    return None
+
+
+def check_flash_heads(match: FlashMatch, ctx: SPContext) -> None:
+    """The heads must divide by sp: a configuration error, named with the sizes that work."""
+    heads, world = example_value(match.operands["q"]).shape[match.head_dim], ctx.shard.world
     if heads % world:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ValueError(

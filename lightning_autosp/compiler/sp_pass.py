@@ -74,14 +74,13 @@ class SPReport:
             ("sequence slices/pads made global", self.slices),
             ("token data computed for the whole sequence", self.recomputed),
             ("reductions and losses made global", self.losses),
-            (
-                "redistributed (value, from -> to, for which op, collective, bytes on this rank)",
-                self.redistributions,
-            ),
             ("layouts", self.layouts),
         ):
             if items:
                 out.append(f"{title}: {', '.join(items)}")
+        if self.redistributions:  # one a line: each names its op and the user's source line
+            out.append("redistributed (value, from -> to, for which op, collective, bytes on this rank):")
+            out.extend(f"  {line}" for line in self.redistributions)
         return out
 
 
@@ -109,7 +108,7 @@ def sequence_parallel_pass(
     analysis.raise_refusals()
     for node in analysis.plan.attention:
         if node in analysis.flash_matches:
-            attention.check_flash_attention(analysis.flash_matches[node], ctx)
+            attention.check_flash_heads(analysis.flash_matches[node], ctx)
         else:
             attention.check_sdpa(node, ctx)
     _specialize(gm, analysis)

@@ -18,13 +18,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shared_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (
             t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v)
         )  # (B, nh, T, hs)
-        if self.mask == "triu":
+        if shared_mask is not None:  # one causal mask the model builds for every layer
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=shared_mask)
+        elif self.mask == "triu":
             future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=~future)
         elif self.mask == "window":  # causal, and only the last WINDOW tokens: not plain causal
@@ -58,19 +60,23 @@ class TinyGPT(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.wte(ids) + self.wpe(torch.arange(ids.size(1), device=ids.device))
+        T = ids.size(1)
+        mask = None
+        if self.attns[0].mask == "shared":
+            mask = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         if self.graph_break == "between_layers":  # unrolled: Dynamo resumes after each break
             x = self.layer(0, x)
             torch._dynamo.graph_break()
             x = self.layer(1, x)
             return self.head(x)
         for index in range(len(self.attns)):
-            x = self.layer(index, x)
+            x = self.layer(index, x, mask)
             if self.graph_break == "in_loop":  # Dynamo gives up on the whole frame
                 torch._dynamo.graph_break()
         return self.head(x)
 
-    def layer(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attns[index](self.norms[index](x))
+    def layer(self, index: int, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attns[index](self.norms[index](x), mask)
         return x + self.mlps[index](x)
 
 

@@ -86,9 +86,10 @@ CASES = {
     "gpt_window_mask": Case(GPTModule, {"mask": "window"}),  # not causal: rebuilt at the global length
     "gpt_graph_break": Case(GPTModule, {"graph_break": "between_layers"}),
     "gpt_graph_break_in_loop": Case(GPTModule, {"graph_break": "in_loop"}),
-    "gpt_ddp_buckets": Case(GPTModule, {"dim": 256}, strategy_kwargs={"bucket_cap_mb": 1}),
-    # Given a tokenizer's attention_mask, HF builds one mask for all layers; DDP's split puts it and the
-    # attentions in different graphs.
+    # The model builds one causal mask for all layers; DDP's split puts it and the attentions in
+    # different graphs.
+    "gpt_ddp_buckets": Case(GPTModule, {"dim": 256, "mask": "shared"}, strategy_kwargs={"bucket_cap_mb": 1}),
+    # Given a tokenizer's attention_mask, HF builds one mask for all layers, from per-token data.
     "llama_ddp_buckets": Case(TokenizedLlamaModule, {"hidden": 256}, strategy_kwargs={"bucket_cap_mb": 1}),
     "gpt_len61": Case(GPTModule, seq_len=61, ignored_tail=(5, 9)),
     "llama_len61": Case(LlamaModule, seq_len=61, ignored_tail=(5, 9)),

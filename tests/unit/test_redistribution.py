@@ -85,3 +85,91 @@ def test_dead_code_elimination_keeps_in_place_writes() -> None:
     graph.output(buffer)
     eliminate_dead_code(graph)
     assert [n.target for n in graph.nodes if n.op == "call_method"] == ["new_empty", "copy_"]
+
+
+def test_a_branch_on_the_length_is_named_first() -> None:
+    """The branch is why anything else looks wrong at this rank's length: it leads the refusal."""
+    from lightning_autosp.data import SequenceShard
+    from tests.unit.sp_graphs import pass_on
+
+    def step(x, start):
+        if x.size(1) > 12:  # 12 tokens on this rank, 24 in the sequence
+            x = 2 * x
+        return torch.cat([start.expand(x.size(0), 1, -1), x], dim=1).sum()
+
+    shard = SequenceShard.balanced(24, 2, 0)
+    x, start = torch.randn(2, shard.local_len, 8, requires_grad=True), torch.randn(1, 1, 8)
+    with pytest.raises(NotImplementedError) as refusal:
+        pass_on(step, shard, x, start, sharded={0: 1})
+    reasons = [line for line in str(refusal.value).splitlines() if line.startswith("- ")]
+    assert "branched on the sequence length" in reasons[0], reasons
+    assert any("concatenates along the sequence" in line for line in reasons[1:]), reasons
+
+
+# --------------------------------------------------------------------------------------------------
+# the rules, on small graphs
+
+
+def _pass(step, *args, sharded):
+    from lightning_autosp.data import SequenceShard
+    from tests.unit.sp_graphs import pass_on
+
+    return pass_on(step, SequenceShard.balanced(24, 2, 1), *args, sharded=sharded)
+
+
+def test_einsum_per_token_sum_over_tokens_and_token_pairs() -> None:
+    """Per token: no move; summed over tokens: a partial sum, all-reduced; tokens against tokens: the
+    whole sequence for a block of heads."""
+    k, v = torch.randn(2, 4, 12, 8, requires_grad=True), torch.randn(2, 4, 12, 8, requires_grad=True)
+
+    def per_token(k, v):
+        return torch.einsum("bhtd,bhte->bhtde", k, v).sum()
+
+    def over_tokens(k, v):
+        return torch.einsum("bhtd,bhte->bhde", k, v).exp().sum()
+
+    def token_pairs(k, v):
+        return torch.einsum("bhtd,bhsd->bhts", k, v).softmax(-1).sum()
+
+    lines = {
+        f.__name__: _pass(f, k, v, sharded={0: 2, 1: 2})[1].redistributions
+        for f in (per_token, over_tokens, token_pairs)
+    }
+    assert [line.split(" for ")[0] for line in lines["per_token"]] == ["sum_1 partial -> replicate"]
+    assert "einsum partial -> replicate for exp" in lines["over_tokens"][0]
+    assert [line.split(" for ")[0] for line in lines["token_pairs"][:2]] == [
+        "l_k_ shard(2) -> split(1, whole sequence in 2)",
+        "l_v_ shard(2) -> split(1, whole sequence in 2)",
+    ]
+
+
+def test_a_grouped_convolution_runs_its_groups_blocks() -> None:
+    conv = torch.nn.Conv1d(8, 8, 3, groups=4, padding=2)
+    x = torch.randn(2, 8, 12, requires_grad=True)
+    gm, report, _ = _pass(lambda x: conv(x)[..., : x.size(2)].sum(), x, sharded={0: 2})
+    (convolution,) = [n for n in gm.graph.nodes if "conv1d" in str(n.target)]
+    assert convolution.args[-1] == 2  # 4 groups over 2 ranks
+    assert convolution.args[1].target is torch.narrow  # this rank's block of the weight's out channels
+
+
+def test_rows_of_a_token_permutation_are_not_mixed() -> None:
+    """A running count over sorted slots (an expert's capacity) relates other tokens' rows: refused."""
+
+    def dispatch(x, router):
+        expert = (x @ router).argmax(-1).reshape(-1)  # (B * T,): this rank's tokens' experts
+        _, order = torch.sort(expert)
+        rows = x.reshape(-1, x.size(-1))[order]
+        return rows.cumsum(0).sum()
+
+    x, router = torch.randn(2, 12, 8, requires_grad=True), torch.randn(8, 4)
+    with pytest.raises(NotImplementedError, match=r"running cumsum across rows of this rank's tokens"):
+        _pass(dispatch, x, router, sharded={0: 1})
+
+
+def test_mixtral_keeps_each_ranks_tokens_through_its_experts() -> None:
+    from tests.distributed.user_modules import HFModule
+
+    torch.manual_seed(0)
+    module = HFModule("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    simulated = assert_exact(module, batch())
+    assert not simulated.reports[0].redistributions  # no collective: the dispatch stays on each rank

@@ -13,8 +13,9 @@ import inspect
 
 from torch import fx
 
+from lightning_autosp.compiler.flash import flash_refusal
 from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
-from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REPLICATE, Layout, shard
+from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REFUSED, REPLICATE, Layout, shard
 from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import (
     ATTENTION_FIX,
@@ -343,10 +344,15 @@ def _refuse_mask(a, node: fx.Node) -> Layout:
 
 def flash(a, node: fx.Node) -> object:
     match = a.flash_matches.get(node)
+    if match is None and any(r.node is node for r in a.refusals):
+        return REFUSED  # find_flash_attention said why
     if match is None and op_name(node) == "autograd_function_apply":
         return elementwise_function(a, node)
     if match is None:
         return a.refuse(node, "is an attention kernel the SP pass does not know", ATTENTION_FIX)
+    refusal = flash_refusal(match, a.context)
+    if refusal is not None:
+        return a.refuse(node, *refusal)
     layouts = [a.layout(match.operands[name]) for name in ("q", "k", "v")]
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
         if name in match.operands and a.layout(match.operands[name]) != REPLICATE:
