@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric  # a dependency of lightning; listed in the examples extra too
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_autosp.extras import require
 
@@ -115,7 +116,8 @@ def _shifted_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class GPTModule(L.LightningModule):
-    """Next-token training of :class:`TinyGPT`, logging ``train_loss``, ``val_loss`` and ``val_ppl``.
+    """Next-token training of :class:`TinyGPT`, logging ``train_loss``, ``val_loss``, ``val_acc`` (next-token
+    accuracy, a torchmetrics metric updated in the step) and ``val_ppl``.
 
     ``val_ppl`` is ``exp`` of the mean ``val_loss`` over the validation batches: the perplexity when every
     batch has the same number of supervised tokens (fixed-length batches, as in the examples' data).
@@ -135,6 +137,7 @@ class GPTModule(L.LightningModule):
         self.save_hyperparameters()
         self.model = TinyGPT(vocab_size, block_size, n_layer, n_head, n_embd)
         self.val_loss_mean = MeanMetric()
+        self.val_accuracy = MulticlassAccuracy(vocab_size, average="micro", ignore_index=IGNORE_INDEX)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -150,16 +153,14 @@ class GPTModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(self.model(batch["input_ids"]), _shifted_targets(batch))
+        logits, targets = self.model(batch["input_ids"]), _shifted_targets(batch)
+        loss = self._loss(logits, targets)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.val_loss_mean.update(loss)
+        # per-token metrics as on one device: AutoSPStrategy hands them the whole sequence
+        self.val_accuracy(logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1))
+        self.log("val_acc", self.val_accuracy, on_epoch=True)
         return loss
-
-    def on_validation_batch_end(
-        self, outputs: torch.Tensor, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        # Here, not in validation_step: the steps are compiled (AutoSPStrategy), and a torchmetrics update
-        # inside a compiled step is a graph break whose code would see only this rank's shard of the logits.
-        self.val_loss_mean.update(outputs)
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_ppl", torch.exp(self.val_loss_mean.compute()))

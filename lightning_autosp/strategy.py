@@ -42,6 +42,7 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.layout import SequenceTags
 from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, gather_sequence, shard_batch
 from lightning_autosp.mesh import (
+    DP,
     RING,
     SP,
     ULYSSES,
@@ -55,6 +56,7 @@ from lightning_autosp.mesh import (
     find_head_counts,
 )
 from lightning_autosp.meta_init import has_meta_tensors, materialize
+from lightning_autosp.metrics import MetricsOverShards
 from lightning_autosp.options import check_strategy_arguments, process_group_timeout
 from lightning_autosp.sample_check import check_same_sample
 from lightning_autosp.steps import CompiledSteps
@@ -219,6 +221,12 @@ class AutoSPStrategy(DDPStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._sequence_tags = SequenceTags()
         self._steps = CompiledSteps(self._backend, self._sp_context, lambda: self.sequence_shard)
+        self._metrics = MetricsOverShards(  # Note [Metrics over sequence shards]
+            self._sequence_tags,
+            lambda: self.sequence_shard,
+            lambda: self.device_mesh.get_group(SP),
+            lambda: self.device_mesh.get_group(DP),
+        )
         fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs, fsdp_gather)
         self.data_parallel: fsdp.DataParallel = data_parallel
         self.fsdp_gather: fsdp.FSDPGather = fsdp_gather or "per_use"
@@ -395,6 +403,7 @@ class AutoSPStrategy(DDPStrategy):
         # compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
         self._setup_ring()
         self._steps.install(self.lightning_module)
+        self._metrics.install(self.lightning_module)
         if self.data_parallel == "fsdp":
             mesh = fsdp.build_world_mesh(self.root_device.type, self.world_size)
             fsdp.setup_fully_sharded(
@@ -430,6 +439,7 @@ class AutoSPStrategy(DDPStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         self._steps.uninstall(module)
+        self._metrics.uninstall()
         if self.data_parallel == "fsdp" or (module is not None and has_meta_tensors(module)):
             # As Lightning's ModelParallelStrategy: sharded parameters stay on their device (moving
             # them to the CPU would swap every DTensor parameter the optimizer still refers to), and
