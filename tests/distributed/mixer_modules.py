@@ -65,8 +65,9 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)])
 
 
-class AlibiGPT(_SGD):
-    """SDPA with ALiBi as a per-head float mask ``[H, T, T]`` (linear distance penalties, causal)."""
+class HeadsLM(_SGD):
+    """Layers of multi-head attention on q, k, v projections, each added back through a projection;
+    subclasses say how heads attend (``attend``)."""
 
     def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
         super().__init__()
@@ -75,21 +76,33 @@ class AlibiGPT(_SGD):
         self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers))
         self.proj = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
         self.head = nn.Linear(dim, VOCAB)
-        self.register_buffer("slopes", alibi_slopes(heads), persistent=False)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
         B, T = ids.shape
-        positions = torch.arange(T, device=ids.device)
-        distance = (positions[None, :] - positions[:, None]).float()  # (T, T): key - query
-        bias = self.slopes[:, None, None] * distance  # (H, T, T)
-        bias = bias.masked_fill(distance > 0, float("-inf"))
         x = self.embed(ids)
         for qkv, proj in zip(self.qkv, self.proj):
             q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, H, T, hs)
-            x = x + proj(y.transpose(1, 2).reshape(B, T, -1))
+            x = x + proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, -1))  # (B, H, T, hs) in
         return causal_lm_loss(self.head(x), ids)
+
+
+class AlibiGPT(HeadsLM):
+    """SDPA with ALiBi as a per-head float mask ``[H, T, T]`` (linear distance penalties, causal)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__(dim, heads, layers)
+        self.register_buffer("slopes", alibi_slopes(heads), persistent=False)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(q.size(-2), device=q.device)
+        distance = (positions[None, :] - positions[:, None]).float()  # (T, T): key - query
+        bias = self.slopes[:, None, None] * distance  # (H, T, T)
+        bias = bias.masked_fill(distance > 0, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
 class HybridLM(_SGD):
@@ -161,25 +174,11 @@ def scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
 
 
-class WrittenAttentionGPT(_SGD):
+class WrittenAttentionGPT(HeadsLM):
     """Multi-head causal attention written out (``softmax(q k^T / sqrt(d)) v`` with a ``tril`` mask)."""
 
-    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
-        super().__init__()
-        self.heads = heads
-        self.embed = nn.Embedding(VOCAB, dim)
-        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers))
-        self.proj = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-        self.head = nn.Linear(dim, VOCAB)
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        ids = batch["input_ids"]
-        B, T = ids.shape
-        x = self.embed(ids)
-        for qkv, proj in zip(self.qkv, self.proj):
-            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in qkv(x).chunk(3, dim=-1))
-            x = x + proj(scaled_dot_product(q, k, v).transpose(1, 2).reshape(B, T, -1))
-        return causal_lm_loss(self.head(x), ids)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return scaled_dot_product(q, k, v)
 
 
 class CheckpointedGPT(_SGD):

@@ -14,6 +14,16 @@ from torch import nn
 
 from tests.distributed.modules import VOCAB, TinyGPT
 
+# The sizes every tiny HF model here changes of its family's default config.
+TINY_HF = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 
 class _SGD(L.LightningModule):
     def configure_optimizers(self):
@@ -127,16 +137,8 @@ class HFModule(_SGD):
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        defaults = dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        )
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**defaults, **config}))
+        sizes = {**TINY_HF, "max_position_embeddings": 256, **config}
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **sizes))
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
 
@@ -154,15 +156,7 @@ class HFClassifierModule(_SGD):
         super().__init__()
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        sizes = dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-        config = AutoConfig.for_model(family, num_labels=num_labels, pad_token_id=0, **sizes)
+        config = AutoConfig.for_model(family, num_labels=num_labels, pad_token_id=0, **TINY_HF)
         self.model = AutoModelForSequenceClassification.from_config(config)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -177,15 +171,7 @@ class ReadmeLlama(_SGD):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        sizes = dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-        self.model = LlamaForCausalLM(LlamaConfig(**sizes))
+        self.model = LlamaForCausalLM(LlamaConfig(**TINY_HF))
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
