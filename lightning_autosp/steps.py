@@ -6,16 +6,20 @@ compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch._dynamo.exc import FailOnRecompileLimitHit
+from torch._dynamo.utils import counters, guard_failures
 
 from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mode, frames_not_compiled
 from lightning_autosp.compiler.context import SPContext
@@ -23,6 +27,10 @@ from lightning_autosp.data import SequenceShard
 
 STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _LOGGING = ("log", "log_dict")
+# Compiles of one step for one sequence layout (a new batch size, dtype or module flag recompiles it).
+# Each layout is its own Dynamo region (``isolate_recompiles``), so distinct sequence lengths never
+# count against this limit, and Dynamo's cap over all regions is raised with the number of layouts.
+RECOMPILES_PER_LAYOUT = 8
 
 
 class CompiledSteps:
@@ -47,10 +55,17 @@ class CompiledSteps:
         )
         self._backends: dict[SequenceShard | None, AutoSPBackend] = {}
         self._originals: dict[str, Callable] = {}
+        self._compiles: collections.Counter[tuple[str, SequenceShard | None]] = collections.Counter()
+        self._recompile_reasons: dict[tuple[str, SequenceShard | None], list[str]] = {}
 
     @property
     def backends(self) -> Mapping[SequenceShard | None, AutoSPBackend]:
         return self._backends
+
+    @property
+    def compiles(self) -> Mapping[tuple[str, SequenceShard | None], int]:
+        """How many times Dynamo compiled each (step, sequence layout): 1 unless a guard failed."""
+        return dict(self._compiles)
 
     def backend_for(self, shard: SequenceShard | None) -> AutoSPBackend:
         """The compile backend for one sequence layout (Dynamo keeps one compiled graph per backend)."""
@@ -100,12 +115,25 @@ class CompiledSteps:
             backend = self.backend_for(shard)
             first_call = shard not in compiled
             if first_call:
-                compiled[shard] = torch.compile(step, backend=backend, dynamic=False)
-            skipped = frames_not_compiled()
-            with _logging_left_out():
-                output = compiled[shard](*args, **kwargs)
+                compiled[shard] = torch.compile(
+                    step,
+                    backend=backend,
+                    dynamic=False,
+                    isolate_recompiles=True,
+                    recompile_limit=RECOMPILES_PER_LAYOUT,
+                )
+            skipped, frames_before = frames_not_compiled(), counters["frames"]["ok"]
+            breaks_before = collections.Counter(counters["unimplemented"])
+            with _logging_left_out(), _recompiles_limited(len(compiled)):
+                try:
+                    output = compiled[shard](*args, **kwargs)
+                except FailOnRecompileLimitHit as error:
+                    raise RuntimeError(_recompile_limit_message(name, step, shard)) from error
+            if counters["frames"]["ok"] > frames_before:
+                self._count_compile(name, step, shard)
             if shard is not None:
-                check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped)
+                breaks = list(counters["unimplemented"] - breaks_before)
+                check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped, breaks)
             if first_call and name == "training_step" and os.environ.get("AUTOSP_DEBUG") == "1":
                 rank_zero_info(
                     f"AutoSP (AUTOSP_DEBUG=1), after the first {name} of this layout:\n{self.explain()}"
@@ -114,9 +142,20 @@ class CompiledSteps:
 
         return run
 
+    def _count_compile(self, name: str, step: Callable, shard: SequenceShard | None) -> None:
+        key = (name, shard)
+        self._compiles[key] += 1
+        if self._compiles[key] > 1:  # a recompile of a layout already compiled: say which guard failed
+            reasons = guard_failures.get(_code_of(step)) or ["(Dynamo recorded no reason)"]
+            self._recompile_reasons.setdefault(key, []).append(reasons[-1])
+
     def explain(self) -> str:
         """What the compiler did, per compiled graph: attention found, all-to-alls, rewrites, layouts."""
-        lines = []
+        lines = [
+            f"{name} recompiled for sequence {'-' if shard is None else shard.global_len}: {reason}"
+            for (name, shard), reasons in self._recompile_reasons.items()
+            for reason in reasons
+        ]
         for shard, backend in self._backends.items():
             layout = (
                 "no sequence parallelism"
@@ -129,6 +168,40 @@ class CompiledSteps:
             lines.extend(f"{report.line()}" for report in backend.sac_reports)
             lines.extend(line for report in backend.loss_reports for line in report.lines())
         return "\n".join(lines) if lines else "Nothing compiled yet."
+
+
+def _graph_break_summary(reason: str) -> str:
+    """Dynamo's graph-break record -> its kind and explanation, and the frame it skipped (one line each)."""
+    keep = [line.strip() for line in reason.splitlines() if line.strip() and "While handling" not in line]
+    kind = keep[0] if keep else reason
+    explanation = next((line for line in keep if line.startswith("Explanation:")), "")
+    frames = [line.split("frame skipped:", 1)[1].strip() for line in keep if "frame skipped:" in line]
+    parts = [kind, explanation.removeprefix("Explanation: ")] + [f"frame skipped: {f}" for f in frames]
+    return " - ".join(part for part in parts if part)
+
+
+def _code_of(step: Callable) -> object:
+    return getattr(inspect.unwrap(step), "__code__", None)
+
+
+def _recompiles_limited(layouts: int) -> contextlib.AbstractContextManager:
+    """Dynamo's limits while a step runs: a step that reaches its limit for one layout raises
+    (``FailOnRecompileLimitHit``) instead of running eagerly, outside the SP pass; the cap over all
+    regions of one function grows with the layouts seen (each new length is a layout)."""
+    cap = max(torch._dynamo.config.accumulated_recompile_limit, RECOMPILES_PER_LAYOUT * (layouts + 1))
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, accumulated_recompile_limit=cap)
+
+
+def _recompile_limit_message(name: str, step: Callable, shard: SequenceShard | None) -> str:
+    reasons = guard_failures.get(_code_of(step)) or []
+    layout = "this layout" if shard is None else f"sequence length {shard.global_len}"
+    recent = "; ".join(reasons[-3:]) or "Dynamo recorded none"
+    return (
+        f"{name} was recompiled {RECOMPILES_PER_LAYOUT} times for {layout}, each time because a guard "
+        f"failed (the last: {recent}). Sequence lengths are not the cause (each length has its own "
+        "compile); keep what the guards name fixed between steps (a batch size: drop_last=True; a "
+        "Python attribute the step reads)."
+    )
 
 
 def _logging_left_out() -> contextlib.AbstractContextManager:
@@ -151,18 +224,25 @@ def _ring_description(shard: SequenceShard) -> str:
     return f", ulysses {shard.ulysses_degree} x ring {shard.ring_degree} ({layout})"
 
 
-def check_sequence_parallel_applied(step_name: str, backend: AutoSPBackend, skipped_frames: int) -> None:
+def check_sequence_parallel_applied(
+    step_name: str, backend: AutoSPBackend, skipped_frames: int, graph_breaks: Sequence[str] = ()
+) -> None:
+    """Raise if part of a step ran outside the SP pass; ``graph_breaks``: Dynamo's reasons for it."""
     # Every rank runs the same graphs, so every rank raises here alike: nobody is left in a collective.
     if skipped_frames:
+        parts = [
+            part for reason in graph_breaks for part in reason.split("another graph break occurred: ***")
+        ]
+        reasons = "; ".join(list(dict.fromkeys(_graph_break_summary(part) for part in parts))[:3])
         raise RuntimeError(
             f"torch.compile could not compile part of {step_name} ({skipped_frames} frame(s) fell back to "
-            "eager, e.g. a graph break inside a for loop), and code outside compiled graphs runs without "
+            f"eager{f': {reasons}' if reasons else ''}), and code outside compiled graphs runs without "
             "sequence parallelism. Remove the graph break (TORCH_LOGS=graph_breaks shows where) or move it "
             "out of the loop."
         )
     if not backend.reports:
         raise RuntimeError(
-            f"torch.compile ran {step_name} without calling the AutoSP backend (compilation disabled, or "
-            "Dynamo's recompile limit reached after many distinct sequence lengths), so sequence "
-            "parallelism was not applied. Bucket or pad sequence lengths to a few fixed values."
+            f"torch.compile ran {step_name} without calling the AutoSP backend (compilation disabled by "
+            "TORCH_COMPILE_DISABLE or torch.compiler.disable), so sequence parallelism was not applied. "
+            "Enable compilation for the step."
         )

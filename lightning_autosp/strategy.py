@@ -567,6 +567,11 @@ class AutoSPStrategy(DDPStrategy):
         """The compile backend for one sequence layout (Dynamo keeps one compiled graph per backend)."""
         return self._steps.backend_for(shard)
 
+    @property
+    def compiles(self) -> Mapping[tuple[str, SequenceShard | None], int]:
+        """How many times each (step name, sequence layout) was compiled: 1 unless a guard failed."""
+        return self._steps.compiles
+
     def _sp_context(self, shard: SequenceShard) -> SPContext:
         ring = {}
         if self._ring_mesh is not None:

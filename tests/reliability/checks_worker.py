@@ -368,9 +368,15 @@ def check_validate(**strategy_kwargs: Any) -> dict:
 
 
 def train_compare(
-    make_module: Callable[[], L.LightningModule], batches: list[dict], *, sp_size: int, lr: float
+    make_module: Callable[[], L.LightningModule],
+    batches: list[dict],
+    *,
+    sp_size: int,
+    lr: float,
+    val_batches: list[dict] = (),
 ) -> dict:
-    """Train on ``batches`` in order (no sampler, dp=1) under AutoSP and eagerly; compare every step."""
+    """Train on ``batches`` in order (no sampler, dp=1) under AutoSP and eagerly; compare every step,
+    then the validation loss over ``val_batches`` (if any) after training."""
     torch.manual_seed(0)
     module = make_module()
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)
@@ -384,6 +390,8 @@ def train_compare(
             {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
         )
         optimizer.step()
+    with torch.no_grad():
+        reference_val = [module.training_step(b, i).item() for i, b in enumerate(val_batches)]
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -394,8 +402,16 @@ def train_compare(
         strategy, max_steps=len(batches), callbacks=[record], use_distributed_sampler=False
     )
     trainer.fit(module, DataLoader(batches, batch_size=None, shuffle=False))
+    validation = {}
+    if val_batches:  # equal batch sizes: the epoch's val_loss is the mean of the batches' losses
+        metrics = trainer.validate(module, DataLoader(val_batches, batch_size=None), verbose=False)
+        validation = {
+            "val_loss_rel_err": rel_err(metrics[0]["val_loss"], sum(reference_val) / len(reference_val))
+        }
     backends = strategy.backends
     return {
+        **validation,
+        "compiles": {f"{name}@{shard.global_len}": n for (name, shard), n in strategy.compiles.items()},
         "losses": record.losses,
         "reference_losses": reference_losses,
         "loss_rel_err": max(rel_err(a, b) for a, b in zip(record.losses, reference_losses)),
@@ -423,14 +439,25 @@ def check_numerics() -> dict:
             results[f"ignored_shard_{name}"] = train_compare(make, batches, sp_size=2, lr=0.1)
         except Exception as error:
             results[f"ignored_shard_{name}"] = {"error": f"{type(error).__name__}: {error}"}
-    lengths = (24, 30, 24, 31, 30)
-    batches = [stack(token_samples(2, length, seed=20 + i)) for i, length in enumerate(lengths)]
     try:
-        results["varying_lengths"] = train_compare(GPTModule, batches, sp_size=2, lr=0.1)
-        results["varying_lengths"]["lengths"] = list(lengths)
+        results["varying_lengths"] = check_varying_lengths()
     except Exception as error:
         results["varying_lengths"] = {"error": f"{type(error).__name__}: {error}"}
     return results
+
+
+# 12 distinct lengths, odd and even, as a collator padding each batch to its longest sample gives
+# (Dynamo's default limit is 8 compiles per function), then 24 again; validation at lengths of its own.
+VARYING_LENGTHS = (24, 31, 17, 40, 29, 22, 35, 18, 27, 33, 20, 38, 24)
+VALIDATION_LENGTHS = (21, 26, 21)
+
+
+def check_varying_lengths() -> dict:
+    batches = [stack(token_samples(2, n, seed=20 + i)) for i, n in enumerate(VARYING_LENGTHS)]
+    val_batches = [stack(token_samples(2, n, seed=60 + i)) for i, n in enumerate(VALIDATION_LENGTHS)]
+    result = train_compare(GPTModule, batches, sp_size=2, lr=0.1, val_batches=val_batches)
+    result["lengths"] = list(VARYING_LENGTHS)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------

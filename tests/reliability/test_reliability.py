@@ -238,14 +238,24 @@ def test_an_sp_shard_with_only_ignored_labels(checks, model):
 
 @pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 def test_sequence_lengths_that_vary_between_batches(checks):
-    # 24, 30, 24, 31, 30 tokens, SGD (lr 0.1): exact at every step, one compile per distinct length.
+    # 12 distinct lengths (17-40 tokens, odd and even; Dynamo's own limit is 8 compiles per function),
+    # then the first again, SGD (lr 0.1): exact at every step, each (step, length) compiled once; then
+    # validation at lengths of its own, equal to one device's.
     for rank, results in each_rank(checks, "numerics"):
         result = results["varying_lengths"]
         assert "error" not in result, (rank, result)
-        assert result["steps"] == 5
+        assert result["steps"] == len(result["lengths"]) == 13
         assert result["loss_rel_err"] <= LOSS_TOLERANCE, (rank, result)
         assert result["grad_rel_err"] <= GRAD_TOLERANCE, (rank, result)
-        assert result["layouts"] == sorted(set(result["lengths"]))
+        assert result["val_loss_rel_err"] <= LOSS_TOLERANCE, (rank, result)
+        distinct = sorted(set(result["lengths"]))
+        assert len(distinct) == 12
+        assert result["layouts"] == sorted([*distinct, 21, 26])
+        expected = {f"training_step@{n}": 1 for n in distinct} | {
+            "validation_step@21": 1,
+            "validation_step@26": 1,
+        }
+        assert result["compiles"] == expected, result["compiles"]
         # a length seen again reuses its graph: as many graphs per layout, whichever came back
         assert len(set(result["graphs_per_layout"])) == 1, result["graphs_per_layout"]
 
