@@ -74,6 +74,10 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-tiny": ModelSpec(
         "llama", vocab_size=256, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256
     ),
+    # Llama-3-8B's proportions at llama-tiny's width: MLP 3.5x hidden, 4 query heads per KV head
+    "llama3-proportions": ModelSpec(
+        "llama", vocab_size=256, hidden=128, layers=2, heads=8, kv_heads=2, intermediate=448
+    ),
     "gpt-smoke": ModelSpec("gpt", vocab_size=64, hidden=64, layers=2, heads=4, kv_heads=4, max_len=256),
     "llama-smoke": ModelSpec(
         "llama", vocab_size=64, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128

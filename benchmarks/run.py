@@ -87,7 +87,7 @@ SUITES: dict[str, dict[str, Any]] = {
     },
     # benchmarks.trainability: 8-layer models, every method, the longest length within one budget
     "trainability": {
-        "models": ["gpt-tiny", "llama-tiny"],
+        "models": ["gpt-tiny", "llama-tiny", "llama3-proportions"],
         "layers": 8,
         "methods": ["sac", "sp", "ulysses", "ddp", "deepspeed"],
         "seq_lens": [1024, 2048],
