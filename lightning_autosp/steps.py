@@ -95,7 +95,7 @@ class CompiledSteps:
         """``step``, compiled on its first call for each sequence layout and checked on every call."""
         # The global sequence layout is baked into the compiled graph, and shards of one local length can
         # come from different global lengths (61 and 62 tokens both give rank 0 31 tokens), so each layout
-        # gets its own backend, which Dynamo guards on.
+        # gets its own backend, which Dynamo guards on, and its own Dynamo region (RECOMPILES_PER_LAYOUT).
         compiled: dict[SequenceShard | None, Callable] = {}
 
         @functools.wraps(step)
