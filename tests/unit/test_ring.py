@@ -21,7 +21,7 @@ from lightning_autosp.mesh import (
     find_head_counts,
 )
 from lightning_autosp.strategy import AutoSPStrategy
-from tests.distributed.modules import GPTModule, LlamaModule
+from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
 from tests.unit.sp_graphs import (
     GROUP,
     SEQ_TO_HEAD,
@@ -365,3 +365,31 @@ def test_predict_outputs_go_back_to_sequence_order() -> None:
     shard = SequenceShard.for_ring(16, 4, 0, 2, "zigzag")
     in_rank_order = torch.tensor([p for rank in range(4) for p in shard.positions(rank=rank)]).view(1, 16)
     assert in_sequence_order(in_rank_order, shard, dim=1).tolist() == [list(range(16))]
+
+
+class _DropoutAttention(torch.nn.Module):
+    """Causal self-attention over embedded tokens, with attention dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        q = x.view(*x.shape[:2], 4, 8).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True).sum()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_attention_dropout_under_ring_attention_is_refused_by_the_analysis() -> None:
+    # sp=8 = Ulysses 4 x ring 2: refused before any rewrite, with the user's source line
+    tags = SequenceTags()
+    batch, sequence_shard = shard(global_batch(2, 36), 8, 1, tags, ring_degree=2, ring_layout="zigzag")
+    torch.manual_seed(0)
+    captured = capture(_DropoutAttention(), batch)
+    ctx = SPContext(sequence_shard, GROUP, ulysses_group_name="ulysses_group", ring_group_name="ring_group")
+    with pytest.raises(NotImplementedError) as error:
+        sequence_parallel_pass(captured.gm, captured.example_inputs, ctx, tags)
+    message = str(error.value)
+    assert "attention dropout (dropout_p=0.1), which ring attention does not support" in message
+    assert "test_ring.py" in message and "scaled_dot_product_attention" in message

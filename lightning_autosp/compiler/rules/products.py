@@ -326,6 +326,13 @@ def sdpa(a, node: fx.Node) -> Layout:
     mask_layout = a.layout(mask)
     if mask_layout.kind == "shard" and mask not in a.token_data:
         return _refuse_mask(a, node)
+    dropout = arg(node, 4, "dropout_p", 0.0)
+    if a.context.shard.ring_degree > 1 and dropout not in (0, 0.0):  # K/V blocks passed around the ring
+        return a.refuse(
+            node,
+            f"uses attention dropout (dropout_p={dropout}), which ring attention does not support",
+            "Set the attention dropout to 0, or use an sp_size (ulysses_degree) that divides the heads",
+        )
     if mask_layout == PARTIAL:
         a.materialize(mask)
     a.plan.attention.append(node)
