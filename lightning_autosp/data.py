@@ -123,9 +123,10 @@ class SequenceShard:
         """How many positions of a sequence-derived tensor of ``length`` positions each rank owns."""
         return [len(self.positions(length, rank)) for rank in range(self.world)]
 
-    def sequence_order(self) -> list[int]:
-        """Indices that put every rank's shard, concatenated in rank order, back in sequence order."""
-        positions = [p for rank in range(self.world) for p in self.positions(rank=rank)]
+    def sequence_order(self, length: int | None = None) -> list[int]:
+        """Indices that put every rank's shard of a sequence-derived tensor of ``length`` positions (default:
+        the sequence), concatenated in rank order, back in sequence order."""
+        positions = [p for rank in range(self.world) for p in self.positions(length, rank)]
         return sorted(range(len(positions)), key=positions.__getitem__)
 
     @property
@@ -280,21 +281,29 @@ def shard_batch(
     return apply_to_collection(batch, Tensor, narrow), shard
 
 
-def gather_sequence(tensor: Tensor, shard: SequenceShard, group: Any, dim: int) -> Tensor:
+def gather_sequence(
+    tensor: Tensor, shard: SequenceShard, group: Any, dim: int, length: int | None = None
+) -> Tensor:
     """Every sp rank's slice of ``tensor`` along ``dim`` -> the whole sequence, in sequence order.
 
-    A collective over ``group`` (the sp group); shards may be uneven (padded to the longest to gather).
+    A collective over ``group`` (the sp group); shards may be uneven. ``length``: the whole tensor's size
+    along ``dim`` when it is derived from the sequence (S - 1 after a shift); default the sequence's.
     """
-    padded = tensor.new_zeros([*tensor.shape[:dim], max(shard.seq_lens), *tensor.shape[dim + 1 :]])
+    in_rank_order = torch.cat(all_gather_uneven(tensor, dim, shard.counts(length), group), dim=dim)
+    return in_rank_order if shard.is_contiguous else in_sequence_order(in_rank_order, shard, dim, length)
+
+
+def all_gather_uneven(tensor: Tensor, dim: int, counts: list[int], group: Any) -> list[Tensor]:
+    """Every rank's ``tensor``, ``counts[rank]`` long along ``dim``, in rank order (padded to the longest
+    to gather)."""
+    padded = tensor.new_zeros([*tensor.shape[:dim], max(counts), *tensor.shape[dim + 1 :]])
     padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
-    gathered = [torch.empty_like(padded) for _ in shard.seq_lens]
+    gathered = [torch.empty_like(padded) for _ in counts]
     torch.distributed.all_gather(gathered, padded, group=group)
-    in_rank_order = torch.cat(
-        [part.narrow(dim, 0, length) for part, length in zip(gathered, shard.seq_lens)], dim=dim
-    )
-    return in_rank_order if shard.is_contiguous else in_sequence_order(in_rank_order, shard, dim)
+    return [part.narrow(dim, 0, count) for part, count in zip(gathered, counts)]
 
 
-def in_sequence_order(gathered: Tensor, shard: SequenceShard, dim: int) -> Tensor:
+def in_sequence_order(gathered: Tensor, shard: SequenceShard, dim: int, length: int | None = None) -> Tensor:
     """Shards concatenated in rank order -> the sequence order, under any layout."""
-    return gathered.index_select(dim, torch.tensor(shard.sequence_order(), device=gathered.device))
+    order = torch.tensor(shard.sequence_order(length), device=gathered.device)
+    return gathered.index_select(dim, order)

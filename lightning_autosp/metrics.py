@@ -34,7 +34,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.data import SequenceShard
+from lightning_autosp.data import SequenceShard, all_gather_uneven, gather_sequence
 
 _METHODS = ("forward", "update")
 
@@ -109,27 +109,13 @@ class MetricsOverShards:
                 "metrics. Update the metric with per-token values."
             )
         (dim,) = tag.layout.dims
-        pieces = _all_gather_uneven(tensor, dim, self._sp_group())
-        whole = torch.cat(pieces, dim=dim)
-        if shard.is_contiguous or dim in tag.layout.flat:
-            return whole
-        positions = [p for rank in range(shard.world) for p in shard.positions(tag.global_sizes[0], rank)]
-        order = sorted(range(len(positions)), key=positions.__getitem__)
-        return whole.index_select(dim, torch.tensor(order, device=whole.device))
-
-
-def _all_gather_uneven(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (lengths along ``dim`` may differ), in rank order."""
-    world = dist.get_world_size(group)
-    length = torch.tensor([tensor.shape[dim]], device=tensor.device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n) for n in lengths)
-    padded = tensor.new_zeros([*tensor.shape[:dim], longest, *tensor.shape[dim + 1 :]])
-    padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor.detach())
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded.contiguous(), group=group)
-    return [part.narrow(dim, 0, int(n)) for part, n in zip(gathered, lengths)]
+        group, value = self._sp_group(), tensor.detach()
+        if dim not in tag.layout.flat and tag.global_sizes:
+            return gather_sequence(value, shard, group, dim, length=tag.global_sizes[0])
+        # Tokens flattened with other dims ([B * S_r]): every rank's piece, in rank order.
+        lengths = [torch.empty(1, dtype=torch.long, device=value.device) for _ in range(shard.world)]
+        dist.all_gather(lengths, torch.tensor([value.shape[dim]], device=value.device), group=group)
+        return torch.cat(all_gather_uneven(value, dim, [int(n) for n in lengths], group), dim=dim)
 
 
 def _metric_types() -> tuple[type, ...]:

@@ -170,14 +170,23 @@ class CompiledSteps:
         return "\n".join(lines) if lines else "Nothing compiled yet."
 
 
-def _graph_break_summary(reason: str) -> str:
-    """Dynamo's graph-break record -> its kind and explanation, and the frame it skipped (one line each)."""
-    keep = [line.strip() for line in reason.splitlines() if line.strip() and "While handling" not in line]
-    kind = keep[0] if keep else reason
-    explanation = next((line for line in keep if line.startswith("Explanation:")), "")
-    frames = [line.split("frame skipped:", 1)[1].strip() for line in keep if "frame skipped:" in line]
-    parts = [kind, explanation.removeprefix("Explanation: ")] + [f"frame skipped: {f}" for f in frames]
-    return " - ".join(part for part in parts if part)
+def _graph_break_reasons(records: Sequence[str], most: int = 3) -> str:
+    """Dynamo's graph-break records (one may chain several breaks) -> each break once, as its kind, its
+    explanation and the frame it skipped, on one line."""
+    summaries = []
+    for record in records:
+        for part in record.split("another graph break occurred: ***"):
+            lines = [
+                line.strip() for line in part.splitlines() if line.strip() and "While handling" not in line
+            ]
+            explanation = next((line for line in lines if line.startswith("Explanation:")), "")
+            frames = [
+                line.split("frame skipped:", 1)[1].strip() for line in lines if "frame skipped:" in line
+            ]
+            fields = [lines[0] if lines else part, explanation.removeprefix("Explanation: ")]
+            fields += [f"frame skipped: {frame}" for frame in frames]
+            summaries.append(" - ".join(field for field in fields if field))
+    return "; ".join(list(dict.fromkeys(summaries))[:most])
 
 
 def _code_of(step: Callable) -> object:
@@ -230,10 +239,7 @@ def check_sequence_parallel_applied(
     """Raise if part of a step ran outside the SP pass; ``graph_breaks``: Dynamo's reasons for it."""
     # Every rank runs the same graphs, so every rank raises here alike: nobody is left in a collective.
     if skipped_frames:
-        parts = [
-            part for reason in graph_breaks for part in reason.split("another graph break occurred: ***")
-        ]
-        reasons = "; ".join(list(dict.fromkeys(_graph_break_summary(part) for part in parts))[:3])
+        reasons = _graph_break_reasons(graph_breaks)
         raise RuntimeError(
             f"torch.compile could not compile part of {step_name} ({skipped_frames} frame(s) fell back to "
             f"eager{f': {reasons}' if reasons else ''}), and code outside compiled graphs runs without "
