@@ -110,7 +110,7 @@ def _fit(lengths: list[int], args: argparse.Namespace) -> dict:
         "tokens": sum(lengths) * args.batch_size,
         "fit_s": round(wall, 2),
         "step_s": [round(t, 3) for t in steps.times],
-        "compiles": {f"{name}@{shard.global_len}": n for (name, shard), n in strategy.compiles.items()},
+        "compiles": {f"{name}@{region}": n for (name, region), n in strategy.compiles.items()},
     }
 
 

@@ -38,6 +38,19 @@ RING_LAYOUTS = ("zigzag", "contiguous")
 
 
 @dataclass(frozen=True)
+class LengthClass:
+    """The global lengths one compiled graph serves: every length with ``remainder`` left over when split
+    over ``world`` ranks, in the contiguous balanced layout (Note [One graph for every length] in
+    ``compiler/symbols.py``)."""
+
+    world: int
+    remainder: int
+
+    def __str__(self) -> str:
+        return f"every length = {self.remainder} mod {self.world}"
+
+
+@dataclass(frozen=True)
 class SequenceShard:
     """Where this rank's tokens sit in the global sequence.
 
@@ -98,6 +111,13 @@ class SequenceShard:
     def is_contiguous(self) -> bool:
         return self.rank_ranges is None
 
+    @property
+    def length_class(self) -> LengthClass | None:
+        """The lengths a graph compiled for this layout can serve; None: this length only (ring layouts)."""
+        if not self.is_contiguous or self.ring_degree != 1:
+            return None
+        return LengthClass(self.world, self.global_len % self.world)
+
     def ranges_of(self, rank: int) -> tuple[tuple[int, int], ...]:
         """The global ``[start, end)`` ranges ``rank`` holds, in its local order."""
         if self.rank_ranges is not None:
@@ -121,6 +141,10 @@ class SequenceShard:
 
     def counts(self, length: int | None = None) -> list[int]:
         """How many positions of a sequence-derived tensor of ``length`` positions each rank owns."""
+        if self.is_contiguous:  # by bounds: the length may be a SymInt (Note [One graph for every length])
+            length = self.global_len if length is None else length
+            bounds = [replace(self, rank=rank).owned_range(length) for rank in range(self.world)]
+            return [stop - start for start, stop in bounds]
         return [len(self.positions(length, rank)) for rank in range(self.world)]
 
     def sequence_order(self, length: int | None = None) -> list[int]:

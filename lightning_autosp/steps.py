@@ -23,18 +23,24 @@ from torch._dynamo.utils import counters, guard_failures
 
 from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mode, frames_not_compiled
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.data import SequenceShard
+from lightning_autosp.data import LengthClass, SequenceShard
+
+# What one compiled graph serves: a length class (every length with the same remainder over the sp
+# ranks, Note [One graph for every length]), one layout (ring layouts, or a step whose rewrites need
+# the number), or None without sequence parallelism.
+Region = LengthClass | SequenceShard | None
 
 STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 _LOGGING = ("log", "log_dict")
-# Compiles of one step for one sequence layout (a new batch size, dtype or module flag recompiles it).
-# Each layout is its own Dynamo region (``isolate_recompiles``), so distinct sequence lengths never
-# count against this limit, and Dynamo's cap over all regions is raised with the number of layouts.
+# Compiles of one step for one region (a new batch size, dtype or module flag recompiles it). Each region
+# is a Dynamo region of its own (``isolate_recompiles``), so lengths of another class never count against
+# this limit, and Dynamo's cap over all regions is raised with the number of regions.
 RECOMPILES_PER_LAYOUT = 8
 
 
 class CompiledSteps:
-    """Installs compiled steps on a LightningModule and keeps their backends, one per sequence layout.
+    """Installs compiled steps on a LightningModule and keeps their backends, one per region: a length
+    class, whose graph serves every length in it, or one layout where a graph needs the number.
 
     Args:
         make_backend: the backend for a layout's context (None: no sequence parallelism, sp_size=1).
@@ -53,25 +59,39 @@ class CompiledSteps:
             make_context,
             current_shard,
         )
-        self._backends: dict[SequenceShard | None, AutoSPBackend] = {}
+        self._backends: dict[Region, AutoSPBackend] = {}
         self._originals: dict[str, Callable] = {}
-        self._compiles: collections.Counter[tuple[str, SequenceShard | None]] = collections.Counter()
-        self._recompile_reasons: dict[tuple[str, SequenceShard | None], list[str]] = {}
+        self._compiles: collections.Counter[tuple[str, Region]] = collections.Counter()
+        self._recompile_reasons: dict[tuple[str, Region], list[str]] = {}
+        self._per_length: dict[str, str] = {}  # step -> why its graphs serve one length each
 
     @property
-    def backends(self) -> Mapping[SequenceShard | None, AutoSPBackend]:
+    def backends(self) -> Mapping[Region, AutoSPBackend]:
         return self._backends
 
     @property
-    def compiles(self) -> Mapping[tuple[str, SequenceShard | None], int]:
-        """How many times Dynamo compiled each (step, sequence layout): 1 unless a guard failed."""
+    def compiles(self) -> Mapping[tuple[str, Region], int]:
+        """How many times Dynamo compiled each (step, region): 1 unless a guard failed."""
         return dict(self._compiles)
 
-    def backend_for(self, shard: SequenceShard | None) -> AutoSPBackend:
-        """The compile backend for one sequence layout (Dynamo keeps one compiled graph per backend)."""
-        if shard not in self._backends:
-            self._backends[shard] = self._make_backend(None if shard is None else self._make_context(shard))
-        return self._backends[shard]
+    def region_of(self, name: str | None, shard: SequenceShard | None) -> Region:
+        if shard is None:
+            return None
+        if shard.length_class is None or name in self._per_length:
+            return shard
+        return shard.length_class
+
+    def backend_for(self, shard: SequenceShard | None, name: str | None = None) -> AutoSPBackend:
+        """The compile backend of ``shard``'s region (Dynamo keeps one compiled graph per backend); a
+        length class's backend compiles for the length of the batch at hand."""
+        region = self.region_of(name, shard)
+        backend = self._backends.get(region)
+        if backend is None:
+            backend = self._make_backend(None if shard is None else self._make_context(shard))
+            self._backends[region] = backend
+        elif isinstance(region, LengthClass) and backend.context.shard != shard:
+            backend.context = self._make_context(shard)  # what a recompile (a guard failed) traces
+        return backend
 
     def install(self, module: pl.LightningModule) -> None:
         # Dynamo cannot trace Lightning's logging; calling it from a compiled step becomes a graph break.
@@ -92,11 +112,10 @@ class CompiledSteps:
         self._originals.clear()
 
     def compiled(self, name: str, step: Callable) -> Callable:
-        """``step``, compiled on its first call for each sequence layout and checked on every call."""
-        # The global sequence layout is baked into the compiled graph, and shards of one local length can
-        # come from different global lengths (61 and 62 tokens both give rank 0 31 tokens), so each layout
-        # gets its own backend, which Dynamo guards on, and its own Dynamo region (RECOMPILES_PER_LAYOUT).
-        compiled: dict[SequenceShard | None, Callable] = {}
+        """``step``, compiled on its first call for each region and checked on every call."""
+        # Shards of one local length come from lengths of different classes (61 and 62 tokens both give
+        # rank 0 31 tokens), whose graphs differ, so each region gets its own backend and Dynamo region.
+        compiled: dict[Region, Callable] = {}
 
         @functools.wraps(step)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -112,10 +131,11 @@ class CompiledSteps:
                     "torch.compile runs code eagerly, i.e. without sequence parallelism. Measure outside "
                     "the step (e.g. MemoryMonitor, torch.cuda.max_memory_allocated) instead."
                 )
-            backend = self.backend_for(shard)
-            first_call = shard not in compiled
+            backend = self.backend_for(shard, name)
+            region = self.region_of(name, shard)
+            first_call, graphs_before = region not in compiled, len(backend.reports)
             if first_call:
-                compiled[shard] = torch.compile(
+                compiled[region] = torch.compile(
                     step,
                     backend=backend,
                     dynamic=False,
@@ -126,11 +146,14 @@ class CompiledSteps:
             breaks_before = collections.Counter(counters["unimplemented"])
             with _logging_left_out(), _recompiles_limited(len(compiled)):
                 try:
-                    output = compiled[shard](*args, **kwargs)
+                    output = compiled[region](*args, **kwargs)
                 except FailOnRecompileLimitHit as error:
-                    raise RuntimeError(_recompile_limit_message(name, step, shard)) from error
+                    raise RuntimeError(_recompile_limit_message(name, step, region)) from error
             if counters["frames"]["ok"] > frames_before:
-                self._count_compile(name, step, shard)
+                self._count_compile(name, step, region)
+                one_length = [r.one_length for r in backend.reports[graphs_before:] if r.one_length]
+                if isinstance(region, LengthClass) and one_length:
+                    self._per_length[name] = one_length[0]  # the next length gets a region of its own
             if shard is not None:
                 breaks = list(counters["unimplemented"] - breaks_before)
                 check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped, breaks)
@@ -142,8 +165,8 @@ class CompiledSteps:
 
         return run
 
-    def _count_compile(self, name: str, step: Callable, shard: SequenceShard | None) -> None:
-        key = (name, shard)
+    def _count_compile(self, name: str, step: Callable, region: Region) -> None:
+        key = (name, region)
         self._compiles[key] += 1
         if self._compiles[key] > 1:  # a recompile of a layout already compiled: say which guard failed
             reasons = guard_failures.get(_code_of(step)) or ["(Dynamo recorded no reason)"]
@@ -152,16 +175,13 @@ class CompiledSteps:
     def explain(self) -> str:
         """What the compiler did, per compiled graph: attention found, all-to-alls, rewrites, layouts."""
         lines = [
-            f"{name} recompiled for sequence {'-' if shard is None else shard.global_len}: {reason}"
-            for (name, shard), reasons in self._recompile_reasons.items()
+            f"{name} recompiled for {_region_description(region)}: {reason}"
+            for (name, region), reasons in self._recompile_reasons.items()
             for reason in reasons
         ]
-        for shard, backend in self._backends.items():
-            layout = (
-                "no sequence parallelism"
-                if shard is None
-                else f"sequence {shard.global_len} -> {shard.seq_lens}{_ring_description(shard)}"
-            )
+        lines += [f"{name}: one graph per length, because {why}" for name, why in self._per_length.items()]
+        for region, backend in self._backends.items():
+            layout = _region_description(region)
             for index, report in enumerate(backend.reports):
                 lines.append(f"graph {index} ({layout}):")
                 lines.extend(f"  {line}" for line in report.lines())
@@ -201,15 +221,22 @@ def _recompiles_limited(layouts: int) -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, accumulated_recompile_limit=cap)
 
 
-def _recompile_limit_message(name: str, step: Callable, shard: SequenceShard | None) -> str:
+def _region_description(region: Region) -> str:
+    if region is None:
+        return "no sequence parallelism"
+    if isinstance(region, LengthClass):
+        return f"sequence lengths: {region}"
+    return f"sequence {region.global_len} -> {region.seq_lens}{_ring_description(region)}"
+
+
+def _recompile_limit_message(name: str, step: Callable, region: Region) -> str:
     reasons = guard_failures.get(_code_of(step)) or []
-    layout = "this layout" if shard is None else f"sequence length {shard.global_len}"
     recent = "; ".join(reasons[-3:]) or "Dynamo recorded none"
     return (
-        f"{name} was recompiled {RECOMPILES_PER_LAYOUT} times for {layout}, each time because a guard "
-        f"failed (the last: {recent}). Sequence lengths are not the cause (each length has its own "
-        "compile); keep what the guards name fixed between steps (a batch size: drop_last=True; a "
-        "Python attribute the step reads)."
+        f"{name} was recompiled {RECOMPILES_PER_LAYOUT} times for {_region_description(region)}, each "
+        f"time because a guard failed (the last: {recent}). Keep what the guards name fixed between "
+        "steps (a batch size: drop_last=True; a Python attribute the step reads); a guard on a sequence "
+        "length is a branch the model or a rewrite takes on it."
     )
 
 

@@ -159,6 +159,7 @@ class Analysis:
         self._shape_uses: set[fx.Node] = set()
         self._visiting: fx.Node | None = None
         self._needed: dict[fx.Node, Layout] = {}  # the layouts the visited op's rule asked for
+        self._every_length: tuple[object, dict, dict] | None = None
         self.flash_matches = {match.node: match for match in find_flash_attention(gm, self.refuse)}
 
     # ---------------------------------------------------------------------------------------------
@@ -244,8 +245,25 @@ class Analysis:
             return any(self.has_sequence_symbol(e) for e in expr)
         return bool(symbols.symbols_of(expr) & set(self.lengths))
 
-    def global_value(self, expr: sympy.Expr) -> int:
-        return symbols.evaluate(expr, self.lengths)
+    def global_value(self, expr: sympy.Expr) -> int | torch.SymInt:
+        """``expr`` at the global length: a number while analysing; once ``lower_for_every_length`` is
+        set, a SymInt in this rank's shard symbols (Note [One graph for every length] in symbols.py)."""
+        if self._every_length is None:
+            return symbols.evaluate(expr, self.lengths)
+        shape_env, substitution, hints = self._every_length
+        return symbols.symint(shape_env, sympy.sympify(expr).subs(substitution), hints)
+
+    @property
+    def every_length(self) -> bool:
+        """Whether the graph is being lowered for every length of its class."""
+        return self._every_length is not None
+
+    def lower_for_every_length(
+        self, shape_env: object, substitution: dict[sympy.Symbol, sympy.Expr], hints: dict[sympy.Symbol, int]
+    ) -> None:
+        """From now on (lowering), global sizes are SymInts: ``substitution`` maps each sequence symbol
+        to the global length in terms of this rank's shard symbol; ``hints``: the symbols' traced values."""
+        self._every_length = (shape_env, substitution, hints)
 
     def shape_use(self, *args: object) -> None:
         """Declare size arguments of the op being visited as shapes (not values)."""

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.compile_fx import compile_fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.agreement import Outcome, agree, graph_signature
 from lightning_autosp.compiler.chunked_loss import ChunkedLossReport, chunked_loss_pass
 from lightning_autosp.compiler.context import SPContext
@@ -140,17 +141,45 @@ class AutoSPBackend:
             compiled = aot_autograd(
                 fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
             )(gm, example_inputs)
-        return tagging_outputs(compiled, output_tags, self.tags) if any(output_tags) else compiled
+        if self.context is not None:
+            check_lengths_kept(report, graph_shape_env(gm, example_inputs))
+        if self.context is None or not any(output_tags):
+            return compiled
+        if not report.length_symbols or not any(report.output_tag_sizes):
+            return tagging_outputs(compiled, lambda: output_tags, self.tags)
+        sizes, lengths = report.output_tag_sizes, report.length_symbols
+
+        def tags_now() -> list[Tag | None]:  # at the length of the batch at hand (the context's)
+            local = {symbol: self.context.shard.local_len for symbol in lengths}
+            return [
+                tag if exprs is None else Tag(tag.layout, tuple(symbols.evaluate(e, local) for e in exprs))
+                for tag, exprs in zip(output_tags, sizes)
+            ]
+
+        return tagging_outputs(compiled, tags_now, self.tags)
 
 
-def tagging_outputs(compiled: Callable, output_tags: list[Tag | None], tags: SequenceTags) -> Callable:
+def check_lengths_kept(report: SPReport, shape_env: object) -> None:
+    """A graph meant for every length of its class whose compile fixed a length (an ``int()`` of a size
+    somewhere) serves that length only: say so, with the guard, so the step compiles per length."""
+    pinned = symbols.pinned_symbols(shape_env, report.length_symbols)
+    if pinned:
+        guard = symbols.pinning_guard(shape_env, pinned)
+        report.one_length = f"compiling it fixed the length ({guard})"
+        report.length_symbols = []
+
+
+def tagging_outputs(
+    compiled: Callable, output_tags: Callable[[], list[Tag | None]], tags: SequenceTags
+) -> Callable:
     """``compiled``, tagging each output with its layout for the graph after it (Note [Sequence layouts]);
-    with DDP's buckets also when DDP runs it on fake tensors to trace the next bucket."""
+    with DDP's buckets also when DDP runs it on fake tensors to trace the next bucket. ``output_tags``
+    gives the tags of this run (their sizes follow the length where one graph serves several)."""
     boxed = getattr(compiled, "_boxed_call", False)
 
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
-        for output, tag in zip(outputs, output_tags):
+        for output, tag in zip(outputs, output_tags()):
             if tag is not None and isinstance(output, torch.Tensor):
                 tags.mark(output, tag)
         return outputs

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
+from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import bind, example_value
 from lightning_autosp.compiler.fx_utils import call as _call
 
@@ -451,8 +452,10 @@ def chunked_loss_pass(
         logits_dtype = example_value(match.loss).dtype
         with graph.inserting_before(match.loss):
             rows = _rows_of_hidden(graph, match)
-            tokens = example_value(rows).shape[0]
-            size = min(chunk_tokens or default_chunk_tokens(vocab), max(tokens, 1))
+            # The op chunks at run time; the token count may be a sequence symbol (one graph for every
+            # length), so it is read here for the report only, without guarding on it.
+            tokens = symbols.concrete(example_value(rows).shape[0])
+            size = chunk_tokens or default_chunk_tokens(vocab)
             args = (
                 _cast(graph, rows, head_dtype),
                 _cast(graph, match.weight, head_dtype),
@@ -467,7 +470,7 @@ def chunked_loss_pass(
         upcast = "" if logits_dtype == head_dtype else f", upcast to {_dtype_name(logits_dtype)}"
         report.chunked.append(
             f"{match.loss.name} ({match.linear.name}: {tokens} tokens x {vocab} vocab in "
-            f"{len(token_chunks(tokens, size))} chunk(s) of {size}; "
+            f"{len(token_chunks(tokens, size))} chunk(s) of {min(size, tokens)} at this length; "
             f"logits in {_dtype_name(head_dtype)}{upcast})"
         )
         match.loss.replace_all_uses_with(chunked)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx
 
+from lightning_autosp.compiler import symbols
+
 log = logging.getLogger(__name__)
 
 
@@ -70,10 +72,16 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 def call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None) -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` and record its fake value, as Dynamo does for its nodes."""
-    node = graph.call_function(target, args, kwargs or {})
+    """Insert ``target(*args, **kwargs)`` and record its fake value, as Dynamo does for its nodes; SymInt
+    arguments (sizes in the sequence symbols) become nodes computing them (``with_sizes``)."""
+    node = graph.call_function(target, with_sizes(graph, args), with_sizes(graph, kwargs or {}))
     set_fake_value(node)
     return node
+
+
+def with_sizes(graph: fx.Graph, arguments: object) -> object:
+    """``arguments`` with every SymInt in them replaced by nodes of ``graph`` computing it."""
+    return fx.node.map_aggregate(arguments, lambda value: symbols.size_node(graph, value))
 
 
 def redirect_uses(node: fx.Node, replacement: fx.Node, keep: fx.Node | None = None) -> None:

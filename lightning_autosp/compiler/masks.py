@@ -93,8 +93,10 @@ def is_causal_mask(copier: GlobalCopier, mask: fx.Node) -> bool:
     ):
         return False
     constants = [abs(c) for n in chain for c in _ints(copier.pristine.get(n, (n.args, n.kwargs)))]
-    total = analysis.global_value(next(iter(analysis.lengths))) if analysis.lengths else 0
-    probe = min(max(total, 2), max(16, 2 * max(constants, default=0) + 2))
+    probe = max(16, 2 * max(constants, default=0) + 2)
+    if not analysis.every_length:  # a graph for one length: a window longer than it is never reached
+        total = analysis.global_value(next(iter(analysis.lengths))) if analysis.lengths else 0
+        probe = min(max(total, 2), probe)
     if probe * probe > _MAX_PROBE_ENTRIES:
         log.info("mask %s: not probed for causality (probe length %d too long); kept", mask, probe)
         return False

@@ -20,8 +20,8 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, set_fake_value
-from lightning_autosp.compiler.recompute import take_positions
+from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, set_fake_value, with_sizes
+from lightning_autosp.compiler.recompute import take_owned
 
 
 def positions_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, report: list[str]) -> None:
@@ -31,12 +31,11 @@ def positions_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, repor
             continue
         end = node.args[1] if len(node.args) > 1 else node.args[0] if node.args else node.kwargs["end"]
         length = analysis.global_value(analysis.size_expr(end))
-        owned = ctx.owned(length)
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
-        runs = _runs(owned)
+        runs = [ctx.shard.owned_range(length)] if ctx.shard.is_contiguous else _runs(ctx.owned(length))
         if len(runs) == 1:
             start, stop = runs[0]
-            node.args, node.kwargs = (start, stop), kwargs
+            node.args, node.kwargs = with_sizes(graph, (start, stop)), kwargs
             set_fake_value(node)
             report.append(f"{node.name}: arange({length}) on this rank -> arange({start}, {stop})")
             continue
@@ -53,7 +52,7 @@ def positions_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, repor
         length = analysis.global_value(analysis.shape(node)[out_dim])
         table, dim, rest = node.args[0], *_table_dim(node)
         with graph.inserting_before(node):
-            rows = take_positions(graph, table, dim, ctx.owned(length))
+            rows = take_owned(graph, table, dim, ctx, length)
             if rest is not None:
                 rows = call(graph, operator.getitem, (rows, rest))
         node.replace_all_uses_with(rows)
@@ -97,6 +96,8 @@ def lengths_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext) -> None
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method") or node in analysis.sizes:
             continue  # arithmetic on lengths: its users get the number it computes, and it goes dead
+        if "autosp_size" in node.meta:
+            continue  # a size the pass wrote in the shard symbols (symbols.size_node): already this rank's
         global_shapes = node in analysis.plan.global_shapes
 
         def replace(arg: object, node: fx.Node = node, global_shapes: bool = global_shapes) -> object:
@@ -107,11 +108,11 @@ def lengths_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext) -> None
                 return tuple(_number(analysis, ctx, e, (node, arg) in values or global_shapes) for e in expr)
             return _number(analysis, ctx, expr, (node, arg) in values or global_shapes)
 
-        node.args = fx.node.map_aggregate(node.args, replace)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, replace)
+        node.args = with_sizes(graph, fx.node.map_aggregate(node.args, replace))
+        node.kwargs = with_sizes(graph, fx.node.map_aggregate(node.kwargs, replace))
 
 
-def _number(analysis: Analysis, ctx: SPContext, expr: sympy.Expr, as_value: bool) -> int:
+def _number(analysis: Analysis, ctx: SPContext, expr: sympy.Expr, as_value: bool) -> int | torch.SymInt:
     if as_value:
         return analysis.global_value(expr)
     (symbol,) = symbols.symbols_of(expr) & set(analysis.lengths) or {None}
@@ -123,7 +124,7 @@ def _number(analysis: Analysis, ctx: SPContext, expr: sympy.Expr, as_value: bool
         )
     if scale == 0:
         return int(rest)
-    return int(scale) * ctx.owned_count(analysis.lengths[symbol] + int(rest // scale))
+    return int(scale) * ctx.owned_count(analysis.global_value(symbol) + int(rest // scale))
 
 
 def _affine(expr: sympy.Expr, symbol: sympy.Symbol | None) -> tuple[int | None, int]:

@@ -29,7 +29,7 @@ from torch import fx
 from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import call, example_value, set_fake_value
+from lightning_autosp.compiler.fx_utils import call, example_value, set_fake_value, with_sizes
 from lightning_autosp.compiler.layout import Layout
 
 _GATHER = torch.ops.autosp.gather_sequence.default
@@ -63,9 +63,7 @@ class GlobalCopier:
         shape = self.analysis.shape(node)
         with self.graph.inserting_before(before):
             for dim in layout.dims:
-                whole = take_positions(
-                    self.graph, whole, dim, self.ctx.owned(self.analysis.global_value(shape[dim]))
-                )
+                whole = take_owned(self.graph, whole, dim, self.ctx, self.analysis.global_value(shape[dim]))
         return whole
 
     # ---------------------------------------------------------------------------------------------
@@ -94,7 +92,7 @@ class GlobalCopier:
         if node.op == "get_attr":
             return node
         args, kwargs = self.pristine[node]
-        mapped = fx.node.map_arg((args, kwargs), lambda n: self.copies.get(n, n))
+        mapped = with_sizes(self.graph, fx.node.map_arg((args, kwargs), lambda n: self.copies.get(n, n)))
         with self.graph.inserting_after(self._insertion_point(_nodes_in(mapped))):
             copy = self.graph.create_node(node.op, node.target, *mapped, name=f"{node.name}_global")
         self._last_copy = copy
@@ -144,6 +142,15 @@ class GlobalCopier:
             )
         with self.graph.inserting_after(index):
             return call(self.graph, torch.index_select, (gathered, dim, index))
+
+
+def take_owned(graph: fx.Graph, value: fx.Node, dim: int, ctx: SPContext, length: int) -> fx.Node:
+    """This rank's positions of ``value`` (a sequence-derived tensor of ``length`` positions, whole along
+    ``dim``); a narrow for a contiguous shard, whose bounds may be SymInts."""
+    if ctx.shard.is_contiguous:
+        start, stop = ctx.shard.owned_range(length)
+        return call(graph, torch.narrow, (value, dim, start, stop - start))
+    return take_positions(graph, value, dim, ctx.owned(length))
 
 
 def take_positions(graph: fx.Graph, value: fx.Node, dim: int, positions: list[int]) -> fx.Node:

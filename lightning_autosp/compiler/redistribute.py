@@ -22,7 +22,7 @@ from torch import fx
 from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis, Redistribution
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import bind, meta_value
+from lightning_autosp.compiler.fx_utils import bind, meta_value, with_sizes
 from lightning_autosp.compiler.recompute import GlobalCopier
 from lightning_autosp.compiler.rules.products import conv_signature
 
@@ -79,7 +79,7 @@ def _insert(graph: fx.Graph, target: object, args: tuple, *, before: fx.Node) ->
     """A move, recorded with its input's traced value: values keep their traced shapes (this rank's
     tokens, every head) until the pass ends and propagates real ones, whatever their layout."""
     with graph.inserting_before(before):
-        node = graph.call_function(target, args)
+        node = graph.call_function(target, with_sizes(graph, args))
     node.meta["example_value"] = meta_value(args[0])
     return node
 
@@ -97,4 +97,4 @@ def _local_sizes(graph: fx.Graph, analysis: Analysis, ctx: SPContext) -> None:
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "broadcast_to":
             method = "expand"
         node.op, node.target = "call_method", method
-        node.args, node.kwargs = (node.args[0], *local), {}
+        node.args, node.kwargs = with_sizes(graph, (node.args[0], *local)), {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
+from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.ops import is_collective
 
 log = logging.getLogger(__name__)
@@ -326,18 +328,18 @@ def node_flops(node: fx.Node) -> int:
     packet = getattr(node.target, "_overloadpacket", None)
     if _op_name(node) in _SEQUENCE_FIRST_ATTENTION_OPS:
         query, key = _value(node.args[0]), _value(node.args[1])
-        return int(4 * query.shape[:-1].numel() * key.shape[-3] * query.shape[-1])
+        return symbols.concrete(4 * math.prod(query.shape[:-1]) * key.shape[-3] * query.shape[-1])
     if _op_name(node) in _ATTENTION_OPS:
         query, key = _value(node.args[0]), _value(node.args[1])
-        batch_heads = query.shape[:-2].numel()
-        return int(4 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1])
+        batch_heads = math.prod(query.shape[:-2])
+        return symbols.concrete(4 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1])
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
     args = torch.fx.node.map_arg(node.args, _value)
     kwargs = torch.fx.node.map_arg(node.kwargs, _value)
     try:
-        return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+        return symbols.concrete(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:  # an unusual overload: count nothing rather than fail the compile
         return 0
 
@@ -346,8 +348,8 @@ def node_bytes(node: fx.Node) -> int:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return 0
-    # Sizes may be symbols the SP pass fixed to this rank's length (Note [Symbolic sequence lengths]).
-    return int(value.shape.numel()) * value.element_size()
+    # Sizes may be sequence symbols: read their value here without guarding on it.
+    return symbols.concrete(math.prod(value.shape)) * value.element_size()
 
 
 def choose_recomputable(joint: fx.GraphModule, overhead: float) -> tuple[set[fx.Node], str]:

@@ -100,8 +100,18 @@ def _bounds(
         start = start % in_len if start < 0 else start
         return start, start + length
     item = _index_item(args[1], meta_value(args[0]).dim(), dim)
-    start, stop, step = slice(number(item.start), number(item.stop), number(item.step)).indices(in_len)
-    return start, stop
+    return _clamped(number(item.start), 0, in_len), _clamped(number(item.stop), in_len, in_len)
+
+
+def _clamped(bound: int | None, default: int, length: int) -> int:
+    """A step-1 slice bound as ``slice.indices`` reads it, also for SymInt bounds and lengths (each
+    comparison a guard, Note [One graph for every length])."""
+    if bound is None:
+        return default
+    if bound < 0:
+        bound = bound + length
+        return bound if bound >= 0 else 0
+    return bound if bound <= length else length
 
 
 def _slice(
@@ -239,9 +249,19 @@ def _select_owned(
     graph: fx.Graph, analysis: Analysis, ctx: SPContext, source: fx.Node, dim: int, index: object, length: int
 ) -> fx.Node:
     position = analysis.global_value(analysis.size_expr(index)) % length
+    local, owner = _local_index(ctx, length, position)
+    return _given_by_owner(graph, call(graph, torch.select, (source, dim, local)), owner)
+
+
+def _local_index(ctx: SPContext, length: int, position: int) -> tuple[int, bool]:
+    """(where global ``position`` of a tensor of ``length`` positions sits on this rank, whether it does);
+    by bounds for a contiguous shard, whose sizes may be SymInts (a guard on which rank holds it)."""
+    if ctx.shard.is_contiguous:
+        lo, hi = ctx.shard.owned_range(length)
+        owner = bool(lo <= position) and bool(position < hi)
+        return (position - lo if owner else 0), owner
     owned = ctx.owned(length)
-    picked = call(graph, torch.select, (source, dim, owned.index(position) if position in owned else 0))
-    return _given_by_owner(graph, picked, position in owned)
+    return (owned.index(position) if position in owned else 0), position in owned
 
 
 def _given_by_owner(graph: fx.Graph, picked: fx.Node, owner: bool) -> fx.Node:
@@ -299,8 +319,7 @@ def _select_in_items(
 ) -> fx.Node:
     """``x[:, -1, :k]``: the int at the sequence dim picked where it lives, the other items as written."""
     wanted = analysis.global_value(analysis.size_expr(items[position])) % length
-    owned = ctx.owned(length)
     items = list(items)
-    items[position] = owned.index(wanted) if wanted in owned else 0
+    items[position], owner = _local_index(ctx, length, wanted)
     picked = call(graph, operator.getitem, (source, tuple(items)))
-    return _given_by_owner(graph, picked, wanted in owned)
+    return _given_by_owner(graph, picked, owner)

@@ -19,10 +19,12 @@ Before 1, every value an op needs in another layout moves there (``redistribute.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from torch import fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -60,6 +62,13 @@ class SPReport:
     normalized: list[str] = field(default_factory=list)
     layouts: list[str] = field(default_factory=list)
     output_tags: list[Tag | None] = field(default_factory=list)
+    # The sequence symbols the graph keeps (it serves every length of its class, Note [One graph for
+    # every length] in symbols.py); one_length: why it serves this length only, if it does.
+    length_symbols: list[sympy.Symbol] = field(default_factory=list)
+    one_length: str = ""
+    # Per output tag, its global sizes in the shard symbols (None: fixed), which the tags handed to the
+    # next graph and to metrics take at each run's length; output_tags hold them at the traced length.
+    output_tag_sizes: list[tuple[sympy.Expr, ...] | None] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = [*self.normalized]
@@ -78,6 +87,8 @@ class SPReport:
         ):
             if items:
                 out.append(f"{title}: {', '.join(items)}")
+        if self.one_length:
+            out.append(f"compiled for this sequence length only: {self.one_length}")
         if self.redistributions:  # one a line: each names its op and the user's source line
             out.append("redistributed (value, from -> to, for which op, collective, bytes on this rank):")
             out.extend(f"  {line}" for line in self.redistributions)
@@ -111,7 +122,18 @@ def sequence_parallel_pass(
             attention.check_flash_heads(analysis.flash_matches[node], ctx)
         else:
             attention.check_sdpa(node, ctx)
-    _specialize(gm, analysis)
+    every_length = _every_length(analysis, ctx, shape_env)
+    if isinstance(every_length, str):
+        report.one_length = every_length
+        _specialize(gm, analysis)
+    elif every_length is None:
+        _specialize(gm, analysis)
+    else:  # Note [One graph for every length] in symbols.py
+        substitution, hints, ctx = every_length
+        if check_guards:
+            symbols.guard_at_global(shape_env, list(shape_env.guards)[:traced_guards], substitution)
+        analysis.lower_for_every_length(shape_env, substitution, hints)
+        report.length_symbols = list(substitution)
     report.output_tags = list(analysis.output_tags)
 
     copier = GlobalCopier(gm, analysis, ctx)
@@ -129,6 +151,8 @@ def sequence_parallel_pass(
             attention.set_mask(node, *mask)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     masks.hand_on_masks(copier, output, report.output_tags, report.masks)
+    if report.length_symbols:
+        report.output_tag_sizes = _tag_sizes_for_every_length(analysis, report.output_tags)
     for value, tag in zip(analysis.output_nodes, report.output_tags):  # for DDP's next bucket (analysis.py)
         if tag is not None and isinstance(meta_value(value), torch.Tensor):
             tags.mark(meta_value(value), tag)
@@ -154,6 +178,56 @@ def sequence_parallel_pass(
     gm.recompile()
     _refresh_fake_values(gm, example_inputs)
     return gm, report
+
+
+def _every_length(
+    analysis: Analysis, ctx: SPContext, shape_env: object
+) -> tuple[dict[sympy.Symbol, sympy.Expr], dict[sympy.Symbol, int], SPContext] | str | None:
+    """How this graph serves every length of its class (Note [One graph for every length]): each sequence
+    symbol's global length in terms of itself, the symbols' traced values, and the context with this
+    rank's shard as SymInts. None: the graph has no sequence length; a string: why it serves one."""
+    shard = ctx.shard
+    if shape_env is None or not analysis.lengths:
+        return None
+    if not shard.is_contiguous or shard.ring_degree != 1:
+        return "a ring layout places whole chunks of tokens, computed from the length"
+    hints: dict[sympy.Symbol, int] = {}
+    for node, tag in analysis.input_tags.items():
+        value = meta_value(node)
+        if not isinstance(value, torch.Tensor) or not tag.layout.is_shard:
+            continue
+        for dim in tag.layout.dims:
+            size = value.shape[dim]
+            if isinstance(size, torch.SymInt) and symbols.raw_expr(size) in analysis.lengths:
+                hints[symbols.raw_expr(size)] = symbols.hint(size)
+    world, remainder = shard.world, shard.global_len % shard.world
+    substitution = {s: symbols.symbolic_global(s, world, shard.rank, remainder) for s in hints}
+    if set(hints) != set(analysis.lengths) or any(
+        substitution[s].subs(s, hints[s]) != analysis.lengths[s] for s in hints
+    ):
+        return "a sequence dim of an input was traced as an expression of its length, not the length"
+    symbol = next(iter(hints))
+    per_rank = symbols.symint(shape_env, symbol, hints) - int(shard.rank < remainder)
+    seq_lens = tuple(per_rank + int(r < remainder) for r in range(world))
+    symbolic = dataclasses.replace(shard, global_len=world * per_rank + remainder, seq_lens=seq_lens)
+    return substitution, hints, dataclasses.replace(ctx, shard=symbolic)
+
+
+def _tag_sizes_for_every_length(
+    analysis: Analysis, output_tags: list[Tag | None]
+) -> list[tuple[sympy.Expr, ...] | None]:
+    """Each output tag's global sizes as expressions of the shard symbols; the tags keep their values at
+    the traced length (for the next graph's compile)."""
+    sizes: list[tuple[sympy.Expr, ...] | None] = []
+    for index, (value, tag) in enumerate(zip(analysis.output_nodes, output_tags)):
+        shape = analysis.shape(value) if isinstance(value, fx.Node) else None
+        if tag is None or not tag.global_sizes or shape is None:
+            sizes.append(None)
+            continue
+        symbolic = [analysis.global_value(shape[d]) for d in tag.layout.dims]
+        sizes.append(tuple(sympy.sympify(symbols.raw_expr(size)) for size in symbolic))
+        output_tags[index] = Tag(tag.layout, tuple(symbols.concrete(size) for size in symbolic))
+    return sizes
 
 
 def _specialize(gm: fx.GraphModule, analysis: Analysis) -> None:

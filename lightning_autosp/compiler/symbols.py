@@ -24,12 +24,14 @@ Only this module touches torch's private symbolic-shape API, so a torch upgrade 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 
 import sympy
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import guard_int
+from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod, PythonMod
 
 
 def raw_expr(size: object) -> sympy.Expr | None:
@@ -112,6 +114,15 @@ def specialize(size: torch.SymInt) -> int:
     return guard_int(size)
 
 
+def concrete(size: object) -> int:
+    """An int's or SymInt's value in this trace, without guarding on it: for estimates (bytes, FLOPs)
+    that must not fix a sequence symbol (Note [One graph for every length])."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        return int(node.hint) if node.hint is not None else int(node.shape_env.size_hint(node.expr))
+    return int(size)
+
+
 def hint(size: object) -> int | None:
     """The value an int or SymInt had when traced."""
     if isinstance(size, bool):
@@ -121,3 +132,116 @@ def hint(size: object) -> int | None:
     if isinstance(size, torch.SymInt):
         return size.node.hint
     return None
+
+
+# Note [One graph for every length]
+#     A contiguous balanced layout of P ranks splits a global length G into ``q = G // P`` tokens per rank
+#     plus one for each of the first ``m = G % P`` ranks. For a fixed ``m`` (the layout's length class),
+#     rank r's traced shard symbol s is ``q + [r < m]``, so G and every rank's length are affine in s:
+#     ``G = P * (s - [r < m]) + m``. The rewrites then compute their sizes (all-to-all splits, position
+#     offsets, slice and halo bounds, global counts) as SymInts in s, and the graph serves every length
+#     of the class: Dynamo guards the frame on each branch a rewrite takes (``min`` of two bounds, a halo
+#     reaching the next rank) and on the model's own branches evaluated at G (``guard_at_global``).
+
+
+def symbolic_global(symbol: sympy.Symbol, world: int, rank: int, remainder: int) -> sympy.Expr:
+    """G as a function of rank ``rank``'s shard symbol, for the length class ``G % world == remainder``."""
+    return world * (symbol - int(rank < remainder)) + remainder
+
+
+def symint(shape_env: object, expr: sympy.Expr, at: Mapping[sympy.Symbol, int]) -> int | torch.SymInt:
+    """``expr`` (in the shard symbols) as a SymInt of ``shape_env``, or an int where it is constant;
+    ``at``: the symbols' values in this trace (the hint)."""
+    expr = sympy.expand(expr)
+    if expr.is_number:
+        return int(expr)
+    return shape_env.create_symintnode(expr, hint=int(expr.subs(dict(at))))
+
+
+def guard_at_global(
+    shape_env: object, guards: Sequence[object], substitution: Mapping[sympy.Symbol, sympy.Expr]
+) -> None:
+    """Guard the frame on each of ``guards`` (Dynamo's, on the shard symbols) evaluated at the global
+    length: a new length for which the model would branch otherwise on the whole sequence recompiles."""
+    for guard in guards:
+        if symbols_of(guard.expr) & set(substitution):
+            shape_env.evaluate_expr(guard.expr.subs(dict(substitution)))
+
+
+def pinned_symbols(shape_env: object, symbols_: Sequence[sympy.Symbol]) -> list[sympy.Symbol]:
+    """The sequence symbols some step of compilation fixed to a number (by ``int()`` of a size)."""
+    replacements = getattr(shape_env, "replacements", {})
+    return [s for s in symbols_ if s in replacements and replacements[s].is_number]
+
+
+def pinning_guard(shape_env: object, pinned: Sequence[sympy.Symbol]) -> str:
+    """The guard that fixed one of ``pinned`` and where it was taken."""
+    for guard in reversed(list(getattr(shape_env, "guards", ()))):
+        if symbols_of(guard.expr) & set(pinned) and isinstance(guard.expr, sympy.Eq):
+            return f"{guard.expr} at {guard.sloc.maybe_user_loc or guard.sloc}"
+    return f"{pinned[0]} = {shape_env.replacements[pinned[0]]}"
+
+
+def size_node(graph: fx.Graph, value: object) -> object:
+    """``value`` as a graph argument: an int as is; a SymInt as nodes computing it from the graph's
+    symbol placeholders, inserted after them (Note [One graph for every length])."""
+    if not isinstance(value, torch.SymInt):
+        return value
+    expr = value.node.expr
+    if expr.is_number:
+        return int(expr)
+    placeholders: dict[sympy.Expr, fx.Node] = {}
+    anchor = None
+    for node in graph.nodes:
+        example = node.meta.get("example_value")
+        if node.op == "placeholder" and isinstance(example, torch.SymInt):
+            placeholders.setdefault(example.node.expr, node)
+        elif node.op != "placeholder" and "autosp_size" not in node.meta:
+            break
+        if "autosp_size" in node.meta:
+            placeholders.setdefault(node.meta["autosp_size"], node)
+        anchor = node
+
+    def build(term: sympy.Expr) -> object:
+        if term.is_Integer:
+            return int(term)
+        if term in placeholders:
+            return placeholders[term]
+        if isinstance(term, (sympy.Add, sympy.Mul)):
+            function = operator.add if isinstance(term, sympy.Add) else operator.mul
+            parts = [build(arg) for arg in term.args]
+            node = parts[0]
+            for part in parts[1:]:
+                node = emit(function, node, part)
+        elif isinstance(term, FloorDiv):
+            node = emit(operator.floordiv, build(term.args[0]), build(term.args[1]))
+        elif isinstance(term, (Mod, PythonMod)):
+            node = emit(operator.mod, build(term.args[0]), build(term.args[1]))
+        elif isinstance(term, (Min, Max)):
+            function = torch.sym_min if isinstance(term, Min) else torch.sym_max
+            parts = [build(arg) for arg in term.args]
+            node = parts[0]
+            for part in parts[1:]:
+                node = emit(function, node, part)
+        else:
+            raise NotImplementedError(f"size {term} has no graph form")
+        placeholders[term] = node
+        return node
+
+    def emit(function: object, left: object, right: object) -> fx.Node:
+        nonlocal anchor
+        with graph.inserting_after(anchor):
+            node = graph.call_function(function, (left, right))
+        values = [a.meta["example_value"] if isinstance(a, fx.Node) else a for a in (left, right)]
+        node.meta["example_value"] = function(*values)
+        node.meta["autosp_size"] = (
+            sympy.sympify(node.meta["example_value"].node.expr)
+            if isinstance(node.meta["example_value"], torch.SymInt)
+            else node.meta["example_value"]
+        )
+        anchor = node
+        return node
+
+    if anchor is None:
+        raise NotImplementedError("a graph without inputs has no sequence symbol")
+    return build(expr)

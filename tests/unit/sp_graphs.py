@@ -23,6 +23,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import lightning_autosp.compiler.ops as ops
 import lightning_autosp.compiler.ring as ring
 from benchmarks.common import completed_work, registered_process_group
+from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.layout import REPLICATE, SequenceTags, Tag
 from lightning_autosp.compiler.layout import shard as layout_shard
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
@@ -172,6 +173,18 @@ def rewritten_step(
         captured.gm, captured.example_inputs, SPContext(sequence_shard, GROUP), tags
     )
     return Rewritten(gm, report, concrete(captured.example_inputs), sequence_shard)
+
+
+def traced(arguments: Any) -> Any:
+    """Graph arguments with every size node (a SymInt the pass computes from the sequence symbols, Note [One
+    graph for every length] in symbols.py) as the int it was traced at."""
+
+    def value(arg: Any) -> Any:
+        example = arg.meta.get("example_value") if isinstance(arg, fx.Node) else None
+        sized = isinstance(example, (int, torch.SymInt)) and not isinstance(example, bool)
+        return symbols.concrete(example) if sized else arg
+
+    return fx.node.map_aggregate(arguments, value)
 
 
 def nodes_with_target(gm: fx.GraphModule, target: object) -> list[fx.Node]:

@@ -32,6 +32,7 @@ from tests.unit.sp_graphs import (
     pass_on,
     run_ranks,
     shard,
+    traced,
 )
 from tests.unit.test_sp_pass import find_attention
 
@@ -72,7 +73,7 @@ def test_mask_is_rebuilt_from_gathered_position_ids(kind: str, rank: int) -> Non
     gm, report, inputs, shard = rewrite(make_module(kind), packed_batch(2, (7, 11, 7)), 2, rank)
     (positions,) = [n for n in gm.graph.nodes if n.op == "placeholder" and "position_ids" in n.name]
     (gathered,) = nodes_with_target(gm, GATHER)  # once per graph, for both layers
-    assert gathered.args == (positions, 1, [13, 12], GROUP)
+    assert traced(gathered.args) == (positions, 1, [13, 12], GROUP)
     attention = find_attention(gm)
     assert len(attention) == 2 and len(report.masks) == 2
     masks = {match.node.kwargs["attn_mask"] for match in attention}

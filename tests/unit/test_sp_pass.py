@@ -43,6 +43,7 @@ from tests.unit.sp_graphs import (
     rewritten_step,
     simulate_step,
     single_device,
+    traced,
     training_step,
 )
 from tests.unit.sp_graphs import shard as shard_and_tag
@@ -96,12 +97,12 @@ def test_every_attention_gets_four_all_to_alls(kind: str, rank: int) -> None:
     for match in attention:
         for operand in (match.query, match.key, match.value):
             assert operand.target is SEQ_TO_HEAD
-            assert operand.args[1:] == (1, 2, [12, 12], rank, GROUP)  # BHSD, seq_lens, rank, group
+            assert traced(operand.args[1:]) == (1, 2, [12, 12], rank, GROUP)  # BHSD, seq_lens, rank, group
             in_heads = operand.args[0].meta["example_value"].shape[1]
             assert tuple(operand.meta["example_value"].shape) == (B, in_heads // 2, 24, head_dim)
         (back,) = match.node.users
         assert back.target is HEAD_TO_SEQ
-        assert back.args == (match.node, 1, 2, [12, 12], rank, GROUP)
+        assert traced(back.args) == (match.node, 1, 2, [12, 12], rank, GROUP)
         assert tuple(match.query.meta["example_value"].shape) == (B, heads // 2, 24, head_dim)
 
     fake_propagate(gm, rewritten.example_inputs)
@@ -276,7 +277,7 @@ def test_positions_count_from_the_shard_offset(kind: str, global_len: int, rank:
     positions = [  # HF's mask is rebuilt for the whole sequence with its own aranges (copies, "_global")
         n for n in nodes_with_target(rewritten.gm, torch.arange) if not n.name.endswith("_global")
     ]
-    assert [n.args for n in positions] == [expected]
+    assert [traced(n.args) for n in positions] == [expected]
     assert len(rewritten.report.positions) == 1
 
 
@@ -291,7 +292,7 @@ def test_only_aranges_over_the_sequence_length_become_positions() -> None:
     sequence_shard = SequenceShard.balanced(8, 2, 1)
     gm, report, _ = pass_on(step, sequence_shard, torch.zeros(4, 4, dtype=torch.long), sharded={0: 1})
     aranges = nodes_with_target(gm, torch.arange)
-    assert sorted(n.args for n in aranges) == [(4,), (4,), (4, 8)]
+    assert sorted(traced(n.args) for n in aranges) == [(4,), (4,), (4, 8)]
     assert len(report.positions) == 1
 
 
@@ -305,7 +306,7 @@ def test_window_mask_rebuilt_at_global_length(global_len: int, rank: int) -> Non
     for match in attention:
         mask = match.node.kwargs["attn_mask"]
         ones = [n for n in ancestors(mask) if n.target is torch.ones]
-        assert [n.args[:2] for n in ones] == [(global_len, global_len)]
+        assert [traced(n.args[:2]) for n in ones] == [(global_len, global_len)]
         assert not match.node.kwargs["is_causal"]
     # the per-rank masks are gone (dead code after the rewrite)
     assert not [n for n in nodes_with_target(gm, torch.ones) if n.args[:2] == (local, local)]
@@ -383,7 +384,7 @@ def test_label_shift_fetches_the_next_shard_head(kind, global_len, world, rank, 
     # one op for the whole shifted labels, on every rank, the last one included (it takes no halo but
     # still sends its head), so that the all_gather inside matches across ranks
     (shift,) = nodes_with_target(gm, SHIFT_FROM_NEXT)
-    source, dim, start, length, halo, halo_count, *rest = shift.args
+    source, dim, start, length, halo, halo_count, *rest = traced(shift.args)
     assert ids in ancestors(source)
     assert (dim, start, halo_count) == (1, 1, 1)
     assert halo == (1 if rank + 1 < world else 0)
@@ -479,7 +480,9 @@ def test_loss_without_sharded_inputs_is_left_alone() -> None:
     # the mean over the sharded ids is a sum, made whole once, over the global count
     (total,) = nodes_with_target(gm, ALL_REDUCE_SUM)
     mean, loss = output_values(gm)
-    assert mean is total and total.args[0].target is operator.truediv and total.args[0].args[1] == B * 24
+    assert (
+        mean is total and total.args[0].target is operator.truediv and traced(total.args[0].args[1]) == B * 24
+    )
     assert loss is cross_entropy
 
 

@@ -1,15 +1,18 @@
-"""Compiled steps and Dynamo's recompile limits (``lightning_autosp/steps.py``): every sequence layout is a
-Dynamo region of its own, and a step that keeps recompiling within one layout stops with the guard that
-failed, before it runs eagerly outside the SP pass."""
+"""Compiled steps and Dynamo's recompile limits (``lightning_autosp/steps.py``): every length class (or,
+where a graph needs the number, every length) is a Dynamo region of its own, and a step that keeps
+recompiling within one region stops with the guard that failed, before it runs eagerly outside the SP
+pass."""
 
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_autosp.compiler.backend import AutoSPBackend
+from lightning_autosp.data import SequenceShard
 from lightning_autosp.steps import RECOMPILES_PER_LAYOUT, CompiledSteps, check_sequence_parallel_applied
 
 
@@ -77,3 +80,37 @@ def test_a_frame_left_to_eager_is_explained_by_dynamos_reason() -> None:
         check_sequence_parallel_applied("training_step", backend, 1, breaks)
     assert "graph break in loop" in str(error.value)
     assert "frame skipped: _prints_in_a_loop" in str(error.value)
+
+
+class _OneLengthBackend:
+    """A stand-in backend whose graphs serve one length only (as the SP pass reports for a rewrite that
+    fixed the length): the step must then compile per length instead of per length class."""
+
+    def __init__(self, context: object) -> None:
+        self.context, self.reports, self.sac_reports, self.loss_reports = context, [], [], []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        why = "compiling it fixed the length (Eq(s0, 5))"
+        self.reports.append(SimpleNamespace(one_length=why, lines=lambda: [f"this length only: {why}"]))
+        return gm.forward
+
+
+def test_lengths_of_one_class_share_a_graph_unless_a_rewrite_fixed_the_length() -> None:
+    torch._dynamo.reset()
+    current: list[SequenceShard] = []
+    steps = CompiledSteps(_OneLengthBackend, lambda shard: SimpleNamespace(shard=shard), lambda: current[-1])
+    model = Model()
+    step = steps.compiled("training_step", model.training_step)
+    for length in (9, 11):  # the same class (odd over 2 ranks), so one region; its graph serves 9 only
+        current.append(SequenceShard.balanced(length, 2, 0))
+        step(torch.randn(2, 4), 0)
+    nine, eleven = current
+    assert steps.compiles == {("training_step", nine.length_class): 1, ("training_step", eleven): 1}
+    assert "training_step: one graph per length, because compiling it fixed the length" in steps.explain()
+
+
+def test_length_classes_of_the_balanced_layout() -> None:
+    assert SequenceShard.balanced(9, 2, 0).length_class == SequenceShard.balanced(31, 2, 1).length_class
+    assert SequenceShard.balanced(9, 2, 0).length_class != SequenceShard.balanced(10, 2, 0).length_class
+    assert str(SequenceShard.balanced(10, 4, 3).length_class) == "every length = 2 mod 4"
+    assert SequenceShard.for_ring(16, 4, 0, ring_degree=2).length_class is None  # zigzag: per length
