@@ -64,6 +64,7 @@ class CompiledSteps:
         self._compiles: collections.Counter[tuple[str, Region]] = collections.Counter()
         self._recompile_reasons: dict[tuple[str, Region], list[str]] = {}
         self._per_length: dict[str, str] = {}  # step -> why its graphs serve one length each
+        self._seen: dict[Region, dict[SequenceShard, None]] = collections.defaultdict(dict)
 
     @property
     def backends(self) -> Mapping[Region, AutoSPBackend]:
@@ -133,6 +134,7 @@ class CompiledSteps:
                 )
             backend = self.backend_for(shard, name)
             region = self.region_of(name, shard)
+            self._seen[region][shard] = None
             first_call, graphs_before = region not in compiled, len(backend.reports)
             if first_call:
                 compiled[region] = torch.compile(
@@ -182,6 +184,10 @@ class CompiledSteps:
         lines += [f"{name}: one graph per length, because {why}" for name, why in self._per_length.items()]
         for region, backend in self._backends.items():
             layout = _region_description(region)
+            if isinstance(region, LengthClass):
+                seen = [f"{shard.global_len} -> {shard.seq_lens}" for shard in self._seen[region]]
+                more = f" and {len(seen) - 4} more" if len(seen) > 4 else ""
+                layout += f"; one graph for {', '.join(seen[:4])}{more}"
             for index, report in enumerate(backend.reports):
                 lines.append(f"graph {index} ({layout}):")
                 lines.extend(f"  {line}" for line in report.lines())

@@ -13,6 +13,12 @@ Note [Ranks agree on their graphs]
     lengths left out) and the rewrites applied, or the refusal. A refusal on any rank becomes the
     same error on every rank; different signatures raise, naming the first difference. One small
     all-gather per compiled graph, at compile time only.
+
+    Where one graph serves every length of a class (Note [One graph for every length] in symbols.py),
+    the ranks must also recompile at the same lengths: each rank's guards are on its own shard length,
+    and a rewrite may branch on this rank's bounds only. So after compiling, the ranks exchange their
+    guards as conditions on the global length and each installs all of them (``share_length_guards``
+    in backend.py); a graph one rank compiled for its length only is compiled so on every rank.
 """
 
 from __future__ import annotations
@@ -79,6 +85,16 @@ def agree(outcome: Outcome, group_name: str) -> None:
     for rank, other in enumerate(outcomes[1:], start=1):
         if other.signature != reference:
             raise RuntimeError(_difference(reference, other.signature, rank))
+
+
+def gather(value: object, group_name: str) -> list[object]:
+    """Every sp rank's ``value`` (picklable), in rank order; ``[value]`` without a process group."""
+    group = process_group(group_name)
+    if group is None or dist.get_world_size(group) == 1:
+        return [value]
+    values: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 def _difference(first: tuple[str, ...], other: tuple[str, ...], rank: int) -> str:

@@ -15,7 +15,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_autosp.compiler import symbols
-from lightning_autosp.compiler.agreement import Outcome, agree, graph_signature
+from lightning_autosp.compiler.agreement import Outcome, agree, gather, graph_signature
 from lightning_autosp.compiler.chunked_loss import ChunkedLossReport, chunked_loss_pass
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.layout import SequenceTags, Tag, shard
@@ -142,7 +142,7 @@ class AutoSPBackend:
                 fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
             )(gm, example_inputs)
         if self.context is not None:
-            check_lengths_kept(report, graph_shape_env(gm, example_inputs))
+            share_length_guards(report, graph_shape_env(gm, example_inputs), self.context.group_name)
         if self.context is None or not any(output_tags):
             return compiled
         if not report.length_symbols or not any(report.output_tag_sizes):
@@ -159,14 +159,27 @@ class AutoSPBackend:
         return tagging_outputs(compiled, tags_now, self.tags)
 
 
-def check_lengths_kept(report: SPReport, shape_env: object) -> None:
-    """A graph meant for every length of its class whose compile fixed a length (an ``int()`` of a size
-    somewhere) serves that length only: say so, with the guard, so the step compiles per length."""
-    pinned = symbols.pinned_symbols(shape_env, report.length_symbols)
-    if pinned:
-        guard = symbols.pinning_guard(shape_env, pinned)
-        report.one_length = f"compiling it fixed the length ({guard})"
-        report.length_symbols = []
+def share_length_guards(report: SPReport, shape_env: object, group_name: str) -> None:
+    """Make the ranks of the sp group recompile a graph for every length at the same lengths (Note [Ranks
+    agree on their graphs]): each installs every rank's guards. A compile that fixed the length on some
+    rank (an ``int()`` of a size somewhere) fixes it on every rank, and the report says so, so the step
+    compiles per length from then on."""
+    substitution = report.length_substitution
+    pinned = symbols.pinned_symbols(shape_env, report.length_symbols) if substitution else []
+    why = f"compiling it fixed the length ({symbols.pinning_guard(shape_env, pinned)})" if pinned else ""
+    conditions = symbols.guards_on_global(shape_env, substitution) if substitution and not pinned else []
+    shared = gather((why, conditions) if substitution else None, group_name)
+    if not any(shared):
+        return
+    why = next((w for w, _ in filter(None, shared) if w), "")
+    if why:
+        for symbol in report.length_symbols:
+            symbols.specialize_symbol(shape_env, symbol)
+        report.one_length, report.length_symbols = why, []
+        return
+    symbols.install_guards(
+        shape_env, [c for _, rank_conditions in shared for c in rank_conditions], substitution
+    )
 
 
 def tagging_outputs(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 
 from lightning_autosp.compiler import symbols
 
@@ -105,7 +106,8 @@ def set_fake_value(node: fx.Node) -> None:
     try:
         # Without autograd: recording it would call the user's saved-tensor hooks (MemoryMonitor's)
         # from inside the compiler.
-        with mode, torch.no_grad():
+        # The Python dispatcher: ops' symbolic-shape decompositions (a pad by a SymInt), as in a trace.
+        with mode, torch.no_grad(), enable_python_dispatcher():
             target = node.target if node.op == "call_function" else getattr(torch.Tensor, node.target)
             value = target(*fake_args, **fake_kwargs)
     except Exception as error:

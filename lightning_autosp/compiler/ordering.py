@@ -8,10 +8,15 @@ Note [Collective order]
     sent dq while the other sent dv. The shapes agree, so nothing failed; every gradient upstream of
     that attention was silently wrong (a GPT at 61 tokens, batch 1, Inductor: relative error 1.2).
 
-    AOTAutograd traces the forward and backward graphs in an order that depends on the graph's
-    structure only, which every rank shares. This post-grad pass chains the collectives of each graph
-    Inductor compiles in that order with Inductor's control dependencies, so the scheduler cannot
-    swap them. ``aot_eager`` runs graphs in their order already.
+    The partitioner does not keep that order either: it may emit independent nodes of the backward in
+    an order that differs between processes (seen on a Mamba-2 scan, where one rank sent the gradient of
+    one all-to-all while the other sent another's: a hang where the sizes differed). So after
+    partitioning, ``order_collectives`` puts each graph's collectives in a canonical order, the order of
+    the forward ops they belong to (their autograd ``seq_nr``: ascending in the forward, descending in
+    the backward, which is the order data flows in either), moving nodes only as their inputs allow.
+    Then this post-grad pass chains the collectives of each graph Inductor compiles in that order with
+    Inductor's control dependencies, so the scheduler cannot swap them; ``aot_eager`` runs the graphs
+    in their order.
 """
 
 from __future__ import annotations
@@ -25,6 +30,45 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.utils._ordered_set import OrderedSet
 
 from lightning_autosp.compiler.ops import is_collective
+
+
+def order_collectives(graph: fx.Graph, *, backward: bool) -> None:
+    """Reorder ``graph`` (a partitioned forward or backward) so its collectives run in the order of the
+    forward ops they belong to, the same on every rank (Note [Collective order]); other nodes keep their
+    order as far as their inputs allow."""
+    collectives = collectives_in_order(graph)
+    if any("seq_nr" not in node.meta for node in collectives):
+        return
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    wanted = sorted(
+        collectives, key=lambda n: (-n.meta["seq_nr"] if backward else n.meta["seq_nr"], position[n])
+    )
+    if wanted == collectives:
+        return
+    after = {later: earlier for earlier, later in zip(wanted, wanted[1:])}
+    pending = {node: len(set(node.all_input_nodes)) + (node in after) for node in graph.nodes}
+    waiting: dict[fx.Node, list[fx.Node]] = {node: [] for node in graph.nodes}
+    for node in graph.nodes:
+        for source in set(node.all_input_nodes):
+            waiting[source].append(node)
+        if node in after:
+            waiting[after[node]].append(node)
+    ready = [node for node in graph.nodes if pending[node] == 0]
+    order: list[fx.Node] = []
+    while ready:  # Kahn's algorithm, earliest original position first
+        node = min(ready, key=position.__getitem__)
+        ready.remove(node)
+        order.append(node)
+        for user in waiting[node]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                ready.append(user)
+    if len(order) != len(position):  # the canonical order contradicts a data dependency: keep the graph's
+        return
+    last = order[0]
+    for node in order[1:]:
+        last.append(node)
+        last = node
 
 
 def collectives_in_order(graph: fx.Graph) -> list[fx.Node]:

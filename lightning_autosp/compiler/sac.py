@@ -33,6 +33,7 @@ from torch.utils.flop_counter import flop_registry
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.ops import is_collective
+from lightning_autosp.compiler.ordering import order_collectives
 
 log = logging.getLogger(__name__)
 
@@ -458,6 +459,9 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         cast_gathers = cast_before_parameter_gathers(gm)
         self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        for graph_module, is_backward in ((forward, False), (backward, True)):  # Note [Collective order]
+            order_collectives(graph_module.graph, backward=is_backward)
+            graph_module.recompile()
         report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
         report.gathers_in_compute_dtype = cast_gathers
         self.reports.append(report)

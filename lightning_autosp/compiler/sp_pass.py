@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from lightning_autosp.compiler import attention, masks, symbols
@@ -65,6 +66,7 @@ class SPReport:
     # The sequence symbols the graph keeps (it serves every length of its class, Note [One graph for
     # every length] in symbols.py); one_length: why it serves this length only, if it does.
     length_symbols: list[sympy.Symbol] = field(default_factory=list)
+    length_substitution: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)  # symbol -> G
     one_length: str = ""
     # Per output tag, its global sizes in the shard symbols (None: fixed), which the tags handed to the
     # next graph and to metrics take at each run's length; output_tags hold them at the traced length.
@@ -133,7 +135,7 @@ def sequence_parallel_pass(
         if check_guards:
             symbols.guard_at_global(shape_env, list(shape_env.guards)[:traced_guards], substitution)
         analysis.lower_for_every_length(shape_env, substitution, hints)
-        report.length_symbols = list(substitution)
+        report.length_symbols, report.length_substitution = list(substitution), dict(substitution)
     report.output_tags = list(analysis.output_tags)
 
     copier = GlobalCopier(gm, analysis, ctx)
@@ -191,6 +193,14 @@ def _every_length(
         return None
     if not shard.is_contiguous or shard.ring_degree != 1:
         return "a ring layout places whole chunks of tokens, computed from the length"
+    for move in analysis.plan.redistributions:
+        if move.via != "all_to_all":
+            continue
+        dim = move.source.dims[0] if move.target.is_split else move.target.dims[0]
+        if analysis.shape(move.value)[dim] not in analysis.lengths:
+            # Measured on a Mamba-2 scan padded to whole chunks: the partitioner's choices then differed
+            # between ranks (one rank re-ran an all-to-all in backward). Kept per length until understood.
+            return f"an all-to-all moves {move.value.name}, whose length is derived from the sequence's"
     hints: dict[sympy.Symbol, int] = {}
     for node, tag in analysis.input_tags.items():
         value = meta_value(node)
@@ -251,7 +261,7 @@ def _refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[object]) -
         return
     try:
         # Identity hooks: a user's saved-tensor hooks (MemoryMonitor's) must not run inside the compiler.
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x), enable_python_dispatcher():
             FakeTensorProp(gm, mode).propagate(*example_inputs)
     except Exception as error:  # shapes are a convenience for later passes, not a requirement
         log.debug("fake values not refreshed: %s", error)

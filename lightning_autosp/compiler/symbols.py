@@ -14,10 +14,13 @@ Note [Symbolic sequence lengths]
     a model whose branches differ between the shard and the whole sequence (a sliding window taken
     only when the length exceeds it, ``int(x.size(1))`` turned into a constant).
 
-    Once the pass has read the graph, ``specialize`` fixes the symbol to this rank's length: the rest of
-    compilation (AOTAutograd, Inductor) sees static shapes, and Dynamo guards the compiled frame on
-    the length. Sizes are read from the *unsimplified* expressions (``SymNode._expr``), which later
-    sub-graphs of the same trace (DDP's buckets) still carry after that specialization.
+    Once the pass has read the graph, it keeps the symbol where it can (Note [One graph for every
+    length]): the rewrites' sizes become expressions of it and the rest of compilation (AOTAutograd,
+    Inductor) compiles with dynamic shapes, so one graph serves every length of its class. Where it
+    cannot (ring layouts, whose chunks are whole numbers per length), ``specialize`` fixes the symbol to
+    this rank's length and Dynamo guards the compiled frame on it. Sizes are read from the
+    *unsimplified* expressions (``SymNode._expr``), which later sub-graphs of the same trace (DDP's
+    buckets) still carry after a specialization.
 
 Only this module touches torch's private symbolic-shape API, so a torch upgrade changes one file.
 """
@@ -123,6 +126,12 @@ def concrete(size: object) -> int:
     return int(size)
 
 
+def specialize_symbol(shape_env: object, symbol: sympy.Symbol) -> int:
+    """Fix ``symbol`` to the value it was traced at (a guard); returns it."""
+    value = int(shape_env.var_to_val[symbol])
+    return guard_int(shape_env.create_symintnode(symbol, hint=value))
+
+
 def hint(size: object) -> int | None:
     """The value an int or SymInt had when traced."""
     if isinstance(size, bool):
@@ -142,6 +151,11 @@ def hint(size: object) -> int | None:
 #     offsets, slice and halo bounds, global counts) as SymInts in s, and the graph serves every length
 #     of the class: Dynamo guards the frame on each branch a rewrite takes (``min`` of two bounds, a halo
 #     reaching the next rank) and on the model's own branches evaluated at G (``guard_at_global``).
+#     A length of another class (G % P differs) is another region with its own graph (steps.py), so
+#     sp=2 compiles a step at most twice for any mix of lengths; a collator's ``pad_to_multiple_of=P``
+#     makes it once. Anything that still turns a size into a number while compiling (``int()``, a
+#     ``range`` over a length) fixes the symbol with a guard: correct, and reported by the backend
+#     (``check_lengths_kept``), after which the step compiles per length.
 
 
 def symbolic_global(symbol: sympy.Symbol, world: int, rank: int, remainder: int) -> sympy.Expr:
@@ -166,6 +180,31 @@ def guard_at_global(
     for guard in guards:
         if symbols_of(guard.expr) & set(substitution):
             shape_env.evaluate_expr(guard.expr.subs(dict(substitution)))
+
+
+GLOBAL_LENGTH = sympy.Symbol("G", integer=True, positive=True)
+
+
+def guards_on_global(shape_env: object, substitution: Mapping[sympy.Symbol, sympy.Expr]) -> list[sympy.Basic]:
+    """Every guard on the shard symbols of ``substitution`` (symbol -> G in terms of it) as a condition
+    on ``GLOBAL_LENGTH``: the same condition whichever rank recorded it."""
+    local = {s: sympy.solve(sympy.Eq(GLOBAL_LENGTH, g), s)[0] for s, g in substitution.items()}
+    conditions = []
+    for guard in getattr(shape_env, "guards", ()):
+        free = symbols_of(guard.expr)
+        if free and free <= set(local):
+            conditions.append(guard.expr.subs(local))
+    return conditions
+
+
+def install_guards(
+    shape_env: object, conditions: Sequence[sympy.Basic], substitution: Mapping[sympy.Symbol, sympy.Expr]
+) -> None:
+    """Guard the frame on each of ``conditions`` (on ``GLOBAL_LENGTH``, from any rank), written in this
+    rank's shard symbols; each holds at the traced length (every rank compiled at the same one)."""
+    for condition in dict.fromkeys(conditions):
+        for global_ in substitution.values():
+            shape_env.evaluate_expr(sympy.sympify(condition).subs(GLOBAL_LENGTH, global_))
 
 
 def pinned_symbols(shape_env: object, symbols_: Sequence[sympy.Symbol]) -> list[sympy.Symbol]:
