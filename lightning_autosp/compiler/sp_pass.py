@@ -201,15 +201,7 @@ def _every_length(
             # Measured on a Mamba-2 scan padded to whole chunks: the partitioner's choices then differed
             # between ranks (one rank re-ran an all-to-all in backward). Kept per length until understood.
             return f"an all-to-all moves {move.value.name}, whose length is derived from the sequence's"
-    hints: dict[sympy.Symbol, int] = {}
-    for node, tag in analysis.input_tags.items():
-        value = meta_value(node)
-        if not isinstance(value, torch.Tensor) or not tag.layout.is_shard:
-            continue
-        for dim in tag.layout.dims:
-            size = value.shape[dim]
-            if isinstance(size, torch.SymInt) and symbols.raw_expr(size) in analysis.lengths:
-                hints[symbols.raw_expr(size)] = symbols.hint(size)
+    hints = {symbols.raw_expr(size): symbols.hint(size) for size in _sequence_sizes(analysis)}
     world, remainder = shard.world, shard.global_len % shard.world
     substitution = {s: symbols.symbolic_global(s, world, shard.rank, remainder) for s in hints}
     if set(hints) != set(analysis.lengths) or any(
@@ -240,8 +232,9 @@ def _tag_sizes_for_every_length(
     return sizes
 
 
-def _specialize(gm: fx.GraphModule, analysis: Analysis) -> None:
-    """Fix every sequence symbol to this rank's length (Note [Symbolic sequence lengths])."""
+def _sequence_sizes(analysis: Analysis) -> list[torch.SymInt]:
+    """The sizes of the tagged inputs' sequence dims that are a sequence symbol."""
+    sizes = []
     for node, tag in analysis.input_tags.items():
         value = meta_value(node)
         if not isinstance(value, torch.Tensor) or not tag.layout.is_shard:
@@ -249,7 +242,14 @@ def _specialize(gm: fx.GraphModule, analysis: Analysis) -> None:
         for dim in tag.layout.dims:
             size = value.shape[dim]
             if isinstance(size, torch.SymInt) and symbols.raw_expr(size) in analysis.lengths:
-                symbols.specialize(size)
+                sizes.append(size)
+    return sizes
+
+
+def _specialize(gm: fx.GraphModule, analysis: Analysis) -> None:
+    """Fix every sequence symbol to this rank's length (Note [Symbolic sequence lengths])."""
+    for size in _sequence_sizes(analysis):
+        symbols.specialize(size)
 
 
 def _refresh_fake_values(gm: fx.GraphModule, example_inputs: Sequence[object]) -> None:
