@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -149,12 +150,16 @@ class AutoSPBackend:
             return tagging_outputs(compiled, lambda: output_tags, self.tags)
         sizes, lengths = report.output_tag_sizes, report.length_symbols
 
-        def tags_now() -> list[Tag | None]:  # at the length of the batch at hand (the context's)
-            local = {symbol: self.context.shard.local_len for symbol in lengths}
+        @functools.cache
+        def tags_at(local_len: int) -> list[Tag | None]:  # once per length, not per step
+            local = {symbol: local_len for symbol in lengths}
             return [
                 tag if exprs is None else Tag(tag.layout, tuple(symbols.evaluate(e, local) for e in exprs))
                 for tag, exprs in zip(output_tags, sizes)
             ]
+
+        def tags_now() -> list[Tag | None]:  # at the length of the batch at hand (the context's)
+            return tags_at(self.context.shard.local_len)
 
         return tagging_outputs(compiled, tags_now, self.tags)
 

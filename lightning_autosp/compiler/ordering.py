@@ -22,6 +22,7 @@ Note [Collective order]
 from __future__ import annotations
 
 import hashlib
+import heapq
 import inspect
 
 from torch import fx
@@ -53,16 +54,15 @@ def order_collectives(graph: fx.Graph, *, backward: bool) -> None:
             waiting[source].append(node)
         if node in after:
             waiting[after[node]].append(node)
-    ready = [node for node in graph.nodes if pending[node] == 0]
+    ready = [(position[node], node) for node in graph.nodes if pending[node] == 0]
     order: list[fx.Node] = []
     while ready:  # Kahn's algorithm, earliest original position first
-        node = min(ready, key=position.__getitem__)
-        ready.remove(node)
+        _, node = heapq.heappop(ready)
         order.append(node)
         for user in waiting[node]:
             pending[user] -= 1
             if pending[user] == 0:
-                ready.append(user)
+                heapq.heappush(ready, (position[user], user))
     if len(order) != len(position):  # the canonical order contradicts a data dependency: keep the graph's
         return
     last = order[0]

@@ -125,10 +125,8 @@ def sequence_parallel_pass(
         else:
             attention.check_sdpa(node, ctx)
     every_length = _every_length(analysis, ctx, shape_env)
-    if isinstance(every_length, str):
-        report.one_length = every_length
-        _specialize(gm, analysis)
-    elif every_length is None:
+    if not isinstance(every_length, tuple):  # why it serves one length, or None: it has none
+        report.one_length = every_length or ""
         _specialize(gm, analysis)
     else:  # Note [One graph for every length] in symbols.py
         substitution, hints, ctx = every_length

@@ -155,7 +155,7 @@ def hint(size: object) -> int | None:
 #     sp=2 compiles a step at most twice for any mix of lengths; a collator's ``pad_to_multiple_of=P``
 #     makes it once. Anything that still turns a size into a number while compiling (``int()``, a
 #     ``range`` over a length) fixes the symbol with a guard: correct, and reported by the backend
-#     (``check_lengths_kept``), after which the step compiles per length.
+#     (``share_length_guards``, which fixes it on every rank), after which the step compiles per length.
 
 
 def symbolic_global(symbol: sympy.Symbol, world: int, rank: int, remainder: int) -> sympy.Expr:
@@ -221,6 +221,17 @@ def pinning_guard(shape_env: object, pinned: Sequence[sympy.Symbol]) -> str:
     return f"{pinned[0]} = {shape_env.replacements[pinned[0]]}"
 
 
+# The sympy functions sizes are written in, and the Python function computing each on SymInts.
+_SIZE_FUNCTIONS = (
+    (sympy.Add, operator.add),
+    (sympy.Mul, operator.mul),
+    (FloorDiv, operator.floordiv),
+    ((Mod, PythonMod), operator.mod),
+    (Min, torch.sym_min),
+    (Max, torch.sym_max),
+)
+
+
 def size_node(graph: fx.Graph, value: object) -> object:
     """``value`` as a graph argument: an int as is; a SymInt as nodes computing it from the graph's
     symbol placeholders, inserted after them (Note [One graph for every length])."""
@@ -246,24 +257,13 @@ def size_node(graph: fx.Graph, value: object) -> object:
             return int(term)
         if term in placeholders:
             return placeholders[term]
-        if isinstance(term, (sympy.Add, sympy.Mul)):
-            function = operator.add if isinstance(term, sympy.Add) else operator.mul
-            parts = [build(arg) for arg in term.args]
-            node = parts[0]
-            for part in parts[1:]:
-                node = emit(function, node, part)
-        elif isinstance(term, FloorDiv):
-            node = emit(operator.floordiv, build(term.args[0]), build(term.args[1]))
-        elif isinstance(term, (Mod, PythonMod)):
-            node = emit(operator.mod, build(term.args[0]), build(term.args[1]))
-        elif isinstance(term, (Min, Max)):
-            function = torch.sym_min if isinstance(term, Min) else torch.sym_max
-            parts = [build(arg) for arg in term.args]
-            node = parts[0]
-            for part in parts[1:]:
-                node = emit(function, node, part)
-        else:
+        function = next((f for kind, f in _SIZE_FUNCTIONS if isinstance(term, kind)), None)
+        if function is None:
             raise NotImplementedError(f"size {term} has no graph form")
+        parts = [build(arg) for arg in term.args]
+        node = parts[0]
+        for part in parts[1:]:  # folded left: Add and Mul take several terms, the others two
+            node = emit(function, node, part)
         placeholders[term] = node
         return node
 
