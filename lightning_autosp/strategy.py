@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_autosp import fsdp, planner
 from lightning_autosp.compiler.backend import (
+    DEFAULT_TILE_BYTES,
     AutoSPBackend,
     Compiler,
     check_backend_options,
@@ -97,6 +98,8 @@ class AutoSPStrategy(DDPStrategy):
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
         sac: sequence-aware activation checkpointing: True (recompute all but attention and
             collectives), "auto" (within 10% of the step's FLOPs, from a FLOP model), or False.
+        sac_tile_bytes: with SAC on, a row-wise region (an MLP, its rebuild in backward) whose widest
+            inner value has at least this many bytes runs over tiles of tokens (default 1 MiB; None: never).
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of ``loss_chunk_tokens``
             tokens (None: chunks of at most 2**26 logits), never holding the whole logits.
         data_parallel: "ddp" (replicas, gradients all-reduced) or "fsdp" (parameters, gradients and
@@ -127,6 +130,7 @@ class AutoSPStrategy(DDPStrategy):
         sequence_keys: Sequence[str] | None = None,
         compiler: Compiler = "inductor",
         sac: bool | str = True,
+        sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
         ulysses_degree: int | Literal["auto"] | None = None,
         ring_layout: RingLayout = "zigzag",
         chunked_loss: bool = True,
@@ -153,6 +157,7 @@ class AutoSPStrategy(DDPStrategy):
             "sequence_keys": sequence_keys,
             "compiler": compiler,
             "sac": sac,
+            "sac_tile_bytes": sac_tile_bytes,
             "ulysses_degree": ulysses_degree,
             "ring_layout": ring_layout,
             "chunked_loss": chunked_loss,
@@ -210,13 +215,14 @@ class AutoSPStrategy(DDPStrategy):
         self._ulysses_degree: int | None = None if ulysses_degree == "auto" else ulysses_degree
         self.ring_layout: RingLayout = ring_layout
         self._ring_mesh: DeviceMesh | None = None
-        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens)
+        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes)
         self.loss_options = {"chunked_loss": chunked_loss, "loss_chunk_tokens": loss_chunk_tokens}
         self._sp_size = sp_size
         self.seq_dim = seq_dim
         self.sequence_keys = tuple(sequence_keys) if sequence_keys else None
         self.compiler: Compiler = compiler
         self.sac = sac
+        self.sac_tile_bytes = sac_tile_bytes
         self.sequence_shard: SequenceShard | None = None
         self._device_mesh: DeviceMesh | None = None
         self._sequence_tags = SequenceTags()
@@ -583,7 +589,12 @@ class AutoSPStrategy(DDPStrategy):
 
     def _backend(self, context: SPContext | None) -> AutoSPBackend:
         return AutoSPBackend(
-            context, tags=self._sequence_tags, compiler=self.compiler, sac=self.sac, **self.loss_options
+            context,
+            tags=self._sequence_tags,
+            compiler=self.compiler,
+            sac=self.sac,
+            sac_tile_bytes=self.sac_tile_bytes,
+            **self.loss_options,
         )
 
 

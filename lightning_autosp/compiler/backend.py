@@ -21,7 +21,7 @@ from lightning_autosp.compiler.chunked_loss import ChunkedLossReport, chunked_lo
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.layout import SequenceTags, Tag, shard
 from lightning_autosp.compiler.ordering import CollectiveOrder
-from lightning_autosp.compiler.sac import SACReport, SequenceAwarePartitioner
+from lightning_autosp.compiler.sac import DEFAULT_TILE_BYTES, SACReport, SequenceAwarePartitioner
 from lightning_autosp.compiler.sp_pass import SPReport, sequence_parallel_pass
 from lightning_autosp.compiler.symbols import graph_shape_env
 
@@ -29,13 +29,24 @@ Compiler = Literal["inductor", "aot_eager"]
 
 
 def check_backend_options(
-    compiler: object, sac: object, chunked_loss: object = True, loss_chunk_tokens: object = None
+    compiler: object,
+    sac: object,
+    chunked_loss: object = True,
+    loss_chunk_tokens: object = None,
+    sac_tile_bytes: object = DEFAULT_TILE_BYTES,
 ) -> None:
     """Raise on a backend option value the backend does not know (before any process starts)."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
     if sac not in (True, False, "auto"):
         raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
+    if sac_tile_bytes is not None and (
+        not isinstance(sac_tile_bytes, int) or isinstance(sac_tile_bytes, bool) or sac_tile_bytes < 0
+    ):
+        raise ValueError(
+            f"sac_tile_bytes={sac_tile_bytes!r} must be a number of bytes (0 tiles every region wider inside "
+            f"than at its edges; the default is {DEFAULT_TILE_BYTES}), or None to never tile."
+        )
     if not isinstance(chunked_loss, bool):
         raise TypeError(f"chunked_loss={chunked_loss!r} must be True or False.")
     if loss_chunk_tokens is not None and (
@@ -64,6 +75,9 @@ class AutoSPBackend:
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of tokens without
             materializing the logits (``compiler/chunked_loss.py``); reports in ``loss_reports``.
         loss_chunk_tokens: tokens per chunk; None keeps a chunk's logits within 2**26 elements.
+        sac_tile_bytes: with SAC on, a row-wise region (an MLP, its rebuild and backward) whose widest
+            inner value is at least this many bytes runs over tiles of tokens, so only one tile's wide
+            values are live (Note [Row tiling] in ``compiler/tiling.py``); None never tiles.
 
     Dynamo calls the backend once per graph: several times after graph breaks or when DDP splits
     the graph into buckets. Each call is rewritten on its own and leaves a report in ``reports``.
@@ -78,8 +92,9 @@ class AutoSPBackend:
         sac: bool | str = True,
         chunked_loss: bool = True,
         loss_chunk_tokens: int | None = None,
+        sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
     ) -> None:
-        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens)
+        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes)
         self.context = context
         self.tags = tags if tags is not None else SequenceTags()
         self._guards_checked: set[int] = set()
@@ -89,7 +104,9 @@ class AutoSPBackend:
         self.loss_chunk_tokens = loss_chunk_tokens
         self.reports: list[SPReport] = []
         self.loss_reports: list[ChunkedLossReport] = []
-        self.partitioner = SequenceAwarePartitioner({True: "all", False: "off", "auto": "auto"}[sac])
+        self.partitioner = SequenceAwarePartitioner(
+            {True: "all", False: "off", "auto": "auto"}[sac], tile_bytes=sac_tile_bytes
+        )
 
     def mark_sharded(self, tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         """Tag ``tensor`` as this rank's shard of the sequence along ``dim`` (default: the context's

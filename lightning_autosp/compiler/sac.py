@@ -31,13 +31,17 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler import symbols, tiling
+from lightning_autosp.compiler.fx_utils import ancestors
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.ordering import order_collectives
+from lightning_autosp.compiler.tiling import tile_rows_pass
 
 log = logging.getLogger(__name__)
 
 SACMode = Literal["all", "auto", "off"]
+# Regions SAC rebuilds are run over tiles of rows when their widest inner value is at least this big.
+DEFAULT_TILE_BYTES = 1 << 20
 
 _ATTENTION_OPS = {
     "_scaled_dot_product_flash_attention",
@@ -118,18 +122,29 @@ def normalization_input(node: fx.Node) -> fx.Node | None:
 
 
 def layer_boundaries(joint: fx.GraphModule) -> set[fx.Node]:
-    """The residual stream where each transformer block starts: the inputs of the pre-attention norms.
+    """The residual stream where each transformer block starts, and where the head starts: the inputs
+    of the pre-attention norms and of the norms after the last attention (the final norm).
 
     Saving these cuts the recompute chain: without them, rebuilding the last block's activations in
     backward re-runs every block before it, and all of them are alive at once. A norm counts as
     pre-attention when the attention's query depends on it and on no later norm. Block inputs
-    that are cheap to rebuild (the embedding) are left to recompute.
+    that are cheap to rebuild (the embedding) are left to recompute. Saving the head's input makes the
+    last block like the others: otherwise backward rebuilds it once for the loss's backward and keeps
+    its MLP values until that block's own backward, and they could not be rebuilt tile by tile
+    (Note [Row tiling]), since the rebuild would feed the loss that feeds its own gradient.
     """
     forward = forward_nodes(joint)
     normalized = {n: normalization_input(n) for n in forward if n.op == "call_function"}
     sources = {source for source in normalized.values() if source is not None}
-    boundaries = set()
-    for attention in (n for n in forward if _op_name(n) in _ATTENTION_OPS):
+    attentions = [n for n in forward if _op_name(n) in _ATTENTION_OPS]
+    before_attention = {a for n in attentions for a in ancestors(n)}
+    after_attention = [
+        n for n, s in normalized.items() if s is not None and attentions and n not in before_attention
+    ]
+    before_another = {a for n in after_attention for a in ancestors(n) if a is not n}
+    final_norms = [n for n in after_attention if n not in before_another]  # not the last block's MLP norm
+    boundaries = {normalized[n] for n in final_norms if _costly_to_rebuild(normalized[n])}
+    for attention in attentions:
         # Walk back from the query to the first normalized tensor on each path; decomposed norms
         # reach it both through their statistics and directly (x * rsqrt(var)).
         stack, seen = [attention.args[0]], set()
@@ -395,6 +410,8 @@ class SACReport:
     reason: str = ""
     parameter_gathers: int = 0  # all-gathers of sharded parameters backward runs again (data_parallel="fsdp")
     gathers_in_compute_dtype: int = 0  # parameters cast to autocast's dtype before their all-gather
+    tiled_regions: int = 0  # row-wise regions run over tiles of rows (Note [Row tiling]), both graphs
+    tiles: int = 0  # the most tiles one of them runs in
 
     def line(self) -> str:
         share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
@@ -406,6 +423,8 @@ class SACReport:
             text += f", {self.parameter_gathers} sharded parameters gathered again in backward"
         if self.gathers_in_compute_dtype:
             text += f" ({self.gathers_in_compute_dtype} gathered in the compute dtype)"
+        if self.tiled_regions:
+            text += f", {self.tiled_regions} row-wise regions run in up to {self.tiles} tiles of tokens"
         return f"{text}; {self.reason}" if self.reason else text
 
 
@@ -439,11 +458,17 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         mode: "all" recomputes every op but attention, collectives and random ops; "auto" picks
             ops within ``overhead`` of the step's FLOPs (``choose_recomputable``); "off" tags
             nothing (PyTorch's own min-cut choices) and only reports.
+        tile_bytes: with SAC on, a row-wise region of either graph (an MLP, its rebuild, its backward)
+            whose widest inner value is at least this many bytes runs over tiles of tokens
+            (Note [Row tiling] in ``tiling.py``); None never tiles.
     """
 
-    def __init__(self, mode: SACMode = "all", overhead: float = 0.1) -> None:
+    def __init__(
+        self, mode: SACMode = "all", overhead: float = 0.1, tile_bytes: int | None = DEFAULT_TILE_BYTES
+    ) -> None:
         self.mode = mode
         self.overhead = overhead
+        self.tile_bytes = tile_bytes
         self.last_counts: Counter = Counter()
         self.reports: list[SACReport] = []
 
@@ -459,11 +484,16 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         cast_gathers = cast_before_parameter_gathers(gm)
         self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        tilings = []
+        if self.mode != "off" and self.tile_bytes is not None:
+            tilings = [tile_rows_pass(g, min_bytes=self.tile_bytes) for g in (forward, backward)]
         for graph_module, is_backward in ((forward, False), (backward, True)):  # Note [Collective order]
             order_collectives(graph_module.graph, backward=is_backward)
             graph_module.recompile()
         report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
         report.gathers_in_compute_dtype = cast_gathers
+        report.tiled_regions = sum(t.regions for t in tilings)
+        report.tiles = max((t.tiles for t in tilings), default=0)
         self.reports.append(report)
         log.info(report.line())
         return forward, backward
@@ -471,4 +501,7 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
     def uuid(self) -> Any:
         # Inductor's FX graph and AOTAutograd caches key on this, so it must change with everything
         # that changes the partition: this file's code and every setting.
-        return get_hash_for_files((__file__,), extra=f"mode={self.mode!r} overhead={self.overhead!r}")
+        files = (__file__, tiling.__file__)
+        return get_hash_for_files(
+            files, extra=f"mode={self.mode!r} overhead={self.overhead!r} tile={self.tile_bytes}"
+        )

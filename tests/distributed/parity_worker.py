@@ -107,6 +107,11 @@ CASES = {
     "gpt_len61_b1_inductor": Case(
         GPTModule, seq_len=61, batch_size=1, strategy_kwargs={"compiler": "inductor"}
     ),
+    # Every region SAC rebuilds runs over tiles of tokens (Note [Row tiling]); HF Llama saves its final
+    # norm's input, so its last block's MLP is rebuilt tile by tile in backward like the others.
+    "llama_len61_b1_inductor_tiled": Case(
+        LlamaModule, seq_len=61, batch_size=1, strategy_kwargs={"compiler": "inductor", "sac_tile_bytes": 0}
+    ),
     # Chunked LM head + loss, 5 tokens a chunk: uneven shards (31 + 30), ragged last chunks, ignored labels.
     "gpt_chunked_loss": Case(
         GPTModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"loss_chunk_tokens": 5}
@@ -369,6 +374,7 @@ def run_case(name: str, case: Case) -> dict:
         "saved_bytes": sum(r.saved_bytes for b in backends for r in b.sac_reports),
         "backward_parameter_gathers": sum(r.parameter_gathers for b in backends for r in b.sac_reports),
         "gathers_in_compute_dtype": sum(r.gathers_in_compute_dtype for b in backends for r in b.sac_reports),
+        "tiled_regions": sum(r.tiled_regions for b in backends for r in b.sac_reports),
         "checkpoint_keys_match": saved_keys == set(module.state_dict()),
         "sharded": all(isinstance(p, DTensor) for p in trained.parameters()),
         "explain": strategy.explain(),

@@ -264,7 +264,7 @@ def test_graph_break_in_a_loop_is_an_error_not_a_silent_fallback(two_rank_result
 
 # The defaults users get (Inductor + SAC); batch 1 at 61 tokens made Inductor order the all-to-alls of
 # dq, dk and dv differently on the two ranks (Note [Collective order] in compiler/ordering.py).
-INDUCTOR_CASES = ["gpt_inductor", "gpt_len61_b1_inductor"]
+INDUCTOR_CASES = ["gpt_inductor", "gpt_len61_b1_inductor", "llama_len61_b1_inductor_tiled"]
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +277,9 @@ def inductor_results(tmp_path_factory) -> dict[int, dict]:
 @pytest.mark.parametrize("case", INDUCTOR_CASES)
 def test_parity_inductor_end_to_end(inductor_results, case):
     assert_parity(inductor_results, case)
+    tiled = {rank: per_case[case]["tiled_regions"] for rank, per_case in inductor_results.items()}
+    if case.endswith("_tiled"):  # the MLPs really ran over tiles of tokens, forward and backward
+        assert all(n >= 4 for n in tiled.values()), tiled
 
 
 @pytest.mark.timeout(1260)
