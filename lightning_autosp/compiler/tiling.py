@@ -259,17 +259,10 @@ def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int,
     """How many tiles the region runs in (1: not tiled), from the width of its inner values: those it
     allocates and hands on to no one, not even as a view. What it hands on is rebuilt whole with the
     strides it had (a saved tensor's strides are part of the backward graph), so its memory must be dense."""
-    region_layout = layouts.get
     inside = set(region.nodes)
     if any(not isinstance(value_of(o), torch.Tensor) for o in region.outputs):
         return 1
     handed = {_storage(o, inside) for o in region.outputs}
-    if any(
-        _stride_order(value_of(root)) is None
-        for root in handed
-        if not isinstance(region_layout(root), Partial)
-    ):
-        return 1
     inner = [n for n in region.nodes if n not in handed and _allocates(n)]
     inputs = {a for n in region.nodes for a in n.all_input_nodes if a not in inside}
     row_inputs = [a for a in inputs if isinstance(layouts[a], Rows)]
@@ -277,6 +270,9 @@ def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int,
     boundary = max(_bytes(n) for n in [*row_inputs, *row_outputs])
     region.inner_bytes = max((_bytes(n) for n in inner), default=0)
     if not row_inputs or region.inner_bytes < max(min_bytes, 2 * boundary, 1):
+        return 1
+    rebuilt = {_storage(o, inside) for o in row_outputs}
+    if any(_stride_order(value_of(root)) is None for root in rebuilt):
         return 1
     # A tile's inner values at half the width of the region's edges: a [S, 4h] MLP runs in 8 tiles.
     return max(2, min(max_tiles, math.ceil(2 * region.inner_bytes / max(boundary, 1))))
@@ -293,6 +289,10 @@ def _storage(node: fx.Node, inside: set[fx.Node]) -> fx.Node:
         views = not _allocates(node) and node.target is not operator.getitem
         if not (views or splits):
             break
+        if splits:  # the split's pieces view its input
+            if not source.all_input_nodes or source.all_input_nodes[0] not in inside:
+                break
+            source = source.all_input_nodes[0]
         node = source
     return node
 
