@@ -219,16 +219,22 @@ def _levels(graph: fx.Graph, rules: dict[fx.Node, TileRule]) -> dict[fx.Node, se
 
 def _join(graph: fx.Graph, rules: dict[fx.Node, TileRule], piece: dict[fx.Node, set[fx.Node]]) -> None:
     """Join pieces connected by an edge, in graph order, where the union stays convex."""
+    # Pieces found not joinable, by identity (a join makes a new set); ``kept`` keeps their ids unique.
+    apart: set[tuple[int, int]] = set()
+    kept: list[set[fx.Node]] = []
     for node in graph.nodes:
         if node not in rules:
             continue
         for arg in node.all_input_nodes:
-            if arg not in rules or piece[arg] is piece[node]:
+            if arg not in rules or piece[arg] is piece[node] or (id(piece[arg]), id(piece[node])) in apart:
                 continue
             union = piece[arg] | piece[node]
             if _convex(union):
                 for member in union:
                     piece[member] = union
+            else:
+                apart.add((id(piece[arg]), id(piece[node])))
+                kept += [piece[arg], piece[node]]
 
 
 def _convex(nodes: set[fx.Node]) -> bool:
@@ -334,7 +340,8 @@ def tile_rows_pass(gm: fx.GraphModule, *, min_bytes: int, max_tiles: int = 8) ->
     (Note [Row tiling]). Returns what was tiled; ``gm`` is recompiled if anything was."""
     report = TilingReport()
     rows = row_count(gm.graph)
-    if rows is None:
+    widest = max((_bytes(n) for n in gm.graph.nodes if n.op == "call_function"), default=0)
+    if rows is None or widest < min_bytes:  # nothing to gain: skip the analysis
         return report
     # At most a row a tile at this length, and no tile empty at every length the graph serves (Inductor
     # cannot lower a loop it proves empty). A graph for every length of a class tiles with bounds in its
