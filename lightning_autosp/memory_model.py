@@ -12,7 +12,8 @@ Note [What is saved for backward]
     - SAC on (``compiler/sac.py``): per layer the attention output [B, H/P, S, D] and its
       logsumexp (fp32); with P > 1 also the all-to-all outputs q, k, v [B, H/P, S, D] and the
       attention output back in sequence layout [B, S/P, h]; the residual stream at every block
-      input but the first (rebuilt from the token ids); the shifted labels. Everything else,
+      input but the first (rebuilt from the token ids) and at the final norm's input; the shifted
+      labels. Everything else,
       the logits included, is recomputed in backward.
     - SAC off (PyTorch's min-cut): per layer the norm outputs and statistics, q, k, v, the attention
       output and logsumexp, the attention output in sequence layout, the residual after attention and
@@ -179,6 +180,7 @@ def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str
         # gather the sharded table again (data_parallel="fsdp", per use).
         gathers_table = setup.data_parallel == "fsdp" and setup.fsdp_gather == "per_use"
         saved["block inputs"] = (L if gathers_table else L - 1) * T * h * s.r
+        saved["final norm input"] = T * h * s.r  # so the last block is rebuilt like the others
         return saved
     saved = {name: L * size for name, size in _layer_without_sac(shape, s).items()}
     stats = T * 4 * (2 if shape.norm == "layer" else 1)
