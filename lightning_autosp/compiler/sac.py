@@ -36,6 +36,7 @@ from lightning_autosp.compiler.fx_utils import ancestors
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.ordering import order_collectives
 from lightning_autosp.compiler.tiling import tile_rows_pass
+from lightning_autosp.compiler.tiling_rules import node_bytes
 
 log = logging.getLogger(__name__)
 
@@ -358,14 +359,6 @@ def node_flops(node: fx.Node) -> int:
         return symbols.concrete(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:  # an unusual overload: count nothing rather than fail the compile
         return 0
-
-
-def node_bytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return 0
-    # Sizes may be sequence symbols: read their value here without guarding on it.
-    return symbols.concrete(math.prod(value.shape)) * value.element_size()
 
 
 def choose_recomputable(joint: fx.GraphModule, overhead: float) -> tuple[set[fx.Node], str]:

@@ -57,6 +57,7 @@ from lightning_autosp.compiler.tiling_rules import (
     TileLayout,
     TileRule,
     aten,
+    node_bytes,
     rule_for,
     same_size,
     value_of,
@@ -254,13 +255,6 @@ def _closure(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Nod
     return seen
 
 
-def _bytes(node: fx.Node) -> int:
-    value = value_of(node)
-    if not isinstance(value, torch.Tensor):
-        return 0
-    return symbols.concrete(value.numel()) * value.element_size()
-
-
 def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int, max_tiles: int) -> int:
     """How many tiles the region runs in (1: not tiled), from the width of its inner values: those it
     allocates and hands on to no one, not even as a view. What it hands on is rebuilt whole with the
@@ -273,8 +267,8 @@ def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int,
     inputs = {a for n in region.nodes for a in n.all_input_nodes if a not in inside}
     row_inputs = [a for a in inputs if isinstance(layouts[a], Rows)]
     row_outputs = [o for o in region.outputs if isinstance(layouts[o], Rows)]  # sums over rows: weights' size
-    boundary = max(_bytes(n) for n in [*row_inputs, *row_outputs])
-    region.inner_bytes = max((_bytes(n) for n in inner), default=0)
+    boundary = max(node_bytes(n) for n in [*row_inputs, *row_outputs])
+    region.inner_bytes = max((node_bytes(n) for n in inner), default=0)
     if not row_inputs or region.inner_bytes < max(min_bytes, 2 * boundary, 1):
         return 1
     rebuilt = {_storage(o, inside) for o in row_outputs}
@@ -340,7 +334,7 @@ def tile_rows_pass(gm: fx.GraphModule, *, min_bytes: int, max_tiles: int = 8) ->
     (Note [Row tiling]). Returns what was tiled; ``gm`` is recompiled if anything was."""
     report = TilingReport()
     rows = row_count(gm.graph)
-    widest = max((_bytes(n) for n in gm.graph.nodes if n.op == "call_function"), default=0)
+    widest = max((node_bytes(n) for n in gm.graph.nodes if n.op == "call_function"), default=0)
     if rows is None or widest < min_bytes:  # nothing to gain: skip the analysis
         return report
     # At most a row a tile at this length, and no tile empty at every length the graph serves (Inductor

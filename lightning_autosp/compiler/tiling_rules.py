@@ -18,6 +18,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from lightning_autosp.compiler import symbols
+
 aten = torch.ops.aten
 
 
@@ -49,6 +51,15 @@ class TileRule:
 
 def value_of(node: object) -> object:
     return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes of a node's tensor value (0 for anything else); sizes that are sequence symbols are read at
+    their traced value, without guarding on them."""
+    value = value_of(node)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return symbols.concrete(value.numel()) * value.element_size()
 
 
 def same_size(a: object, b: object) -> bool:
