@@ -27,6 +27,22 @@ Note [Functional collectives]
     with their neighbours where possible), its buffers are freed at their last use, and the launch is a
     node the scheduler places (``ordering.py`` keeps the launches of every rank in one order). In
     eager runs (``aot_eager``, a rewritten graph run as is) each collective is waited on right away.
+
+Note [Token-major all-to-all]
+    The all-to-alls move blocks laid out token-major, [S, H, R] (R: every other dim). What a rank
+    receives in ``seq_to_head`` is then every rank's tokens of its head group, one block per rank in
+    rank order: already the whole sequence, [S, H/P, R], so the result is a view of the receive
+    buffer (uneven shards too; the blocks just differ in length). Head-major blocks ([H, S_r, R])
+    would arrive as P sequence pieces to interleave, one copy of q, k and v per attention in forward
+    and again in backward. ``head_to_seq`` sends rank j's tokens as one block of rows of attention's
+    output (a view where that output is token-major, as SDPA's CPU and flash kernels return it); the
+    one copy left, putting the P head groups side by side, is the one any all-to-all of this kind
+    needs. Results are views in the memory order they arrive in; the consumer (SDPA, the model's
+    own ``transpose(1, 2).reshape``) takes the strides or copies once. The blocks are rows of a
+    3-d [tokens, heads, R] tensor, not a flat one: Inductor writes the send buffer in the same kernel
+    as the op before it (q's rotary embedding), and with a symbolic length a flat buffer's index
+    needs a division by the length in the innermost loop, which the CPU backend does not vectorize
+    (the rotary kernel ran 5x slower than hand-written Ulysses' for that alone).
 """
 
 from __future__ import annotations
@@ -75,20 +91,21 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def _to_front(x: Tensor, head_dim: int, seq_dim: int) -> Tensor:
-    """[..., H at head_dim, ..., S at seq_dim, ...] -> [H, S, R] (R: the other dims, flattened)."""
-    moved = x.movedim((head_dim, seq_dim), (0, 1))
+def _seq_front(x: Tensor, head_dim: int, seq_dim: int) -> Tensor:
+    """[..., H at head_dim, ..., S at seq_dim, ...] -> [S, H, R] (R: the other dims, flattened)."""
+    moved = x.movedim((seq_dim, head_dim), (0, 1))
     return moved.reshape(moved.shape[0], moved.shape[1], -1)
 
 
-def _from_front(x: Tensor, like_shape: list[int], head_dim: int, seq_dim: int) -> Tensor:
-    """Inverse of ``_to_front``: [H', S', R] -> the layout of ``like_shape`` with H', S' swapped in."""
+def _from_seq_front(x: Tensor, like_shape: list[int], head_dim: int, seq_dim: int) -> Tensor:
+    """Inverse of ``_seq_front``: [S', H', R] -> the layout of ``like_shape`` with S', H' swapped in (a
+    view: the result keeps the memory order of ``x``)."""
     rest = [
         s
         for d, s in enumerate(like_shape)
         if d not in (head_dim % len(like_shape), seq_dim % len(like_shape))
     ]
-    return x.reshape(x.shape[0], x.shape[1], *rest).movedim((0, 1), (head_dim, seq_dim))
+    return x.reshape(x.shape[0], x.shape[1], *rest).movedim((0, 1), (seq_dim, head_dim))
 
 
 def _seq_to_head_shape(shape: list[int], head_dim: int, seq_dim: int, seq_lens: list[int]) -> list[int]:
@@ -107,9 +124,9 @@ def _head_to_seq_shape(
     return out
 
 
-def _all_to_all(flat: Tensor, output_splits: list[int], input_splits: list[int], group_name: str) -> Tensor:
-    """``all_to_all_single`` of a 1-d tensor, waited on; its gradient is the all-to-all back."""
-    sent = _functional.all_to_all_single(flat, output_splits, input_splits, group_name)
+def _all_to_all(rows: Tensor, output_splits: list[int], input_splits: list[int], group_name: str) -> Tensor:
+    """``all_to_all_single`` of blocks of rows (dim 0), waited on; its gradient is the all-to-all back."""
+    sent = _functional.all_to_all_single(rows, output_splits, input_splits, group_name)
     return _functional.wait_tensor(sent)
 
 
@@ -119,38 +136,32 @@ def seq_to_head(
     """All-to-all from sequence shards to head shards: [B, H, S_r, D] -> [B, H/P, S, D].
 
     Rank r sends head group j (heads j*H/P .. (j+1)*H/P) of its S_r tokens to rank j and receives
-    head group r of every rank's tokens, concatenated in rank order along the sequence.
+    head group r of every rank's tokens (Note [Token-major all-to-all]).
     """
     world = len(seq_lens)
-    front = _to_front(x, head_dim, seq_dim).contiguous()  # [H, S_r, R]
-    heads, rest = front.shape[0] // world, front.shape[2]
-    received = _all_to_all(
-        front.reshape(-1),
-        [heads * s * rest for s in seq_lens],
-        [heads * seq_lens[rank] * rest] * world,
-        group_name,
-    )
-    pieces = received.split([heads * s * rest for s in seq_lens])
-    gathered = torch.cat([p.view(heads, s, rest) for p, s in zip(pieces, seq_lens)], dim=1)  # [H/P, S, R]
-    return _from_front(gathered, list(x.shape), head_dim, seq_dim).contiguous()
+    front = _seq_front(x, head_dim, seq_dim)  # [S_r, H, R]
+    local, heads, rest = front.shape[0], front.shape[1] // world, front.shape[2]
+    # [P * S_r, H/P, R]: for each rank j in turn, head group j of this rank's tokens
+    send = front.reshape(local, world, heads, rest).transpose(0, 1).reshape(world * local, heads, rest)
+    received = _all_to_all(send, list(seq_lens), [local] * world, group_name)  # [S, H/P, R], rank order
+    return _from_seq_front(received, list(x.shape), head_dim, seq_dim)
 
 
 def head_to_seq(
     x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str
 ) -> Tensor:
-    """All-to-all back from head shards to sequence shards: [B, H/P, S, D] -> [B, H, S_r, D]."""
+    """All-to-all back from head shards to sequence shards: [B, H/P, S, D] -> [B, H, S_r, D].
+
+    Rank r sends rank j's tokens of its head group to rank j (Note [Token-major all-to-all]).
+    """
     world = len(seq_lens)
-    front = _to_front(x, head_dim, seq_dim)  # [H/P, S, R]
-    heads, rest = front.shape[0], front.shape[2]
-    send = torch.cat([chunk.reshape(-1) for chunk in front.split(seq_lens, dim=1)])
-    received = _all_to_all(
-        send,
-        [heads * seq_lens[rank] * rest] * world,
-        [heads * s * rest for s in seq_lens],
-        group_name,
-    )
-    local = received.view(world * heads, seq_lens[rank], rest)  # [H, S_r, R], head groups in rank order
-    return _from_front(local, list(x.shape), head_dim, seq_dim).contiguous()
+    front = _seq_front(x, head_dim, seq_dim)  # [S, H/P, R]: rank j's tokens are a block of rows
+    heads, rest = front.shape[1], front.shape[2]
+    local = seq_lens[rank]
+    received = _all_to_all(front.contiguous(), [local] * world, list(seq_lens), group_name)  # [P * S_r, ...]
+    # from rank j, head group j of this rank's tokens: [P, S_r, H/P, R] -> [S_r, H, R]
+    pieces = received.view(world, local, heads, rest).transpose(0, 1)
+    return _from_seq_front(pieces.reshape(local, world * heads, rest), list(x.shape), head_dim, seq_dim)
 
 
 def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:

@@ -251,7 +251,7 @@ class ThreadedComm:
         # Copies: a rank reads its pieces after the exchange, when their sender may have reused its buffer.
         everyone = self._exchange("all_to_all_single", [p.clone() for p in input.split(input_split_sizes)])
         received = [everyone[source][self.rank] for source in range(self.world)]
-        assert [r.numel() for r in received] == list(output_split_sizes), "split sizes disagree"
+        assert [r.shape[0] for r in received] == list(output_split_sizes), "split sizes disagree"
         output.copy_(torch.cat(received))
 
     def all_gather(self, tensor_list, tensor, group=None) -> None:

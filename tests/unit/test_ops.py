@@ -12,10 +12,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from lightning_autosp.compiler import ops as collectives
 from lightning_autosp.compiler.ops import (
-    _from_front,
+    _from_seq_front,
     _head_to_seq_shape,
+    _seq_front,
     _seq_to_head_shape,
-    _to_front,
     is_collective,
 )
 
@@ -133,7 +133,7 @@ def test_shape_helpers() -> None:
     shape=st.lists(st.integers(1, 4), min_size=3, max_size=5),
     data=st.data(),
 )
-def test_to_front_from_front_round_trip(shape: list[int], data) -> None:
+def test_seq_front_round_trip(shape: list[int], data) -> None:
     ndim = len(shape)
     head_dim, seq_dim = data.draw(
         st.lists(st.integers(-ndim, ndim - 1), min_size=2, max_size=2).filter(
@@ -141,9 +141,9 @@ def test_to_front_from_front_round_trip(shape: list[int], data) -> None:
         )
     )
     x = torch.arange(torch.Size(shape).numel()).reshape(shape)
-    front = _to_front(x, head_dim, seq_dim)
-    assert front.shape[:2] == (shape[head_dim], shape[seq_dim])
+    front = _seq_front(x, head_dim, seq_dim)
+    assert front.shape[:2] == (shape[seq_dim], shape[head_dim])
     assert torch.equal(
-        front[:, :, 0], x.movedim((head_dim, seq_dim), (0, 1)).reshape(*front.shape[:2], -1)[..., 0]
+        front[:, :, 0], x.movedim((seq_dim, head_dim), (0, 1)).reshape(*front.shape[:2], -1)[..., 0]
     )
-    assert torch.equal(_from_front(front, shape, head_dim, seq_dim), x)
+    assert torch.equal(_from_seq_front(front, shape, head_dim, seq_dim), x)
