@@ -9,12 +9,13 @@ writes ``benchmarks/results/kernel_diff.json`` and ``.md``. Models and methods a
 
 Inductor is asked to name its CPU kernels in the profiler (``cpp.enable_kernel_profile``); a kernel's
 name says which ATen ops it fused (``graph_0_cpp_fused_cat_permute_3``), so kernels are grouped by
-that name without the graph's and the kernel's index, and ATen calls Inductor left as calls (``aten::mm``, SDPA, the collectives)
-by their own names. Per method and per round, ``--steps`` steps are profiled and each name's self CPU
-time per step is summed; rounds alternate between the methods so that a slow spell of the machine hits
-both. A difference between the methods is reported as real only where it exceeds the spread of the two
-methods' rounds (max - min of each) added together. Unprofiled step times (min of the rounds) are
-reported beside, since the profiler's own cost is in the per-kernel times.
+that name without the graph's and the kernel's index, and the ATen calls Inductor left as calls
+(``aten::mm``, SDPA, the collectives) by their own names. Per method and per round, ``--steps`` steps
+are profiled and each name's self CPU time per step is summed; rounds alternate between the methods so
+that a slow spell of the machine hits both. A difference between the methods is reported as real only
+where it exceeds the spread of the two methods' rounds (max - min of each) added together. Unprofiled
+step times (min of the rounds) are reported beside, since the profiler's own cost is in the per-kernel
+times.
 
 Time inside a collective's wait is the rank waiting for its peer: it moves with whatever made the peer
 late, so it is listed but not counted as the collective's cost.

@@ -124,7 +124,12 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_left, window_righ
     out, lse = reference_attention(
         q, k, v, softmax_scale, causal, (window_left, window_right), softcap, alibi
     )
-    return out.contiguous(), lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64, device=q.device)
+    return _like_q(q, out), lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64, device=q.device)
+
+
+def _like_q(q: Tensor, out: Tensor) -> Tensor:
+    """``out`` laid out in memory like q, as flash-attn allocates it (``empty_like(q)``, as its fakes say)."""
+    return torch.empty_like(q).copy_(out)
 
 
 def _grads(fn, dout: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
@@ -151,7 +156,7 @@ def _varlen_forward(
 ):  # fmt: skip
     _check_supported(dropout_p)
     out, lse = _reference_varlen(q, k, v, cu_q, cu_k, scale, causal, (wl, wr), softcap, alibi)
-    return out.contiguous(), lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64, device=q.device)
+    return _like_q(q, out), lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64, device=q.device)
 
 
 def _varlen_backward(

@@ -112,6 +112,12 @@ def sdpa_pass(graph: fx.Graph, node: fx.Node, ctx: SPContext, report) -> None:
             call(graph, _SEQ_TO_HEAD, (t, 1, 2, *ctx.ulysses_comm_args))
             for t in _in_attention_dtype(graph, node, (query, key, value), report)
         )
+        if args["attn_mask"] is not None:
+            # An explicit mask sends CPU SDPA down its math path, which Inductor's attention-fusion
+            # patterns rewrite; their check fails hard (torch 2.13) on q, k, v that arrive as the
+            # all-to-all's permuted views (Note [Token-major all-to-all]). One copy each, next to S x S
+            # scores.
+            q, k, v = (call(graph, torch.Tensor.contiguous, (t,)) for t in (q, k, v))
     args.update(query=q, key=k, value=v)
     node.args = (q, k, v)
     node.kwargs = {

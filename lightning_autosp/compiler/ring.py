@@ -302,9 +302,11 @@ def ring_attention_backward(
     ranges = ring_ranges(bounds, range_counts)
     world = len(ranges)
     dtype = accumulation_dtype(query.dtype)
-    grad_query = torch.zeros_like(query, dtype=dtype)
+    # Contiguous gradients, whatever the inputs' strides (the all-to-all hands q, k, v over as views):
+    # the fake kernel below says so, and AOTAutograd traces the rest of backward on its word.
+    grad_query = query.new_zeros(query.shape, dtype=dtype)
     key_value = (key, value)
-    grad_key_value = (torch.zeros_like(key, dtype=dtype), torch.zeros_like(value, dtype=dtype))
+    grad_key_value = (key.new_zeros(key.shape, dtype=dtype), value.new_zeros(value.shape, dtype=dtype))
     for step in range(world):
         owner = (ring_rank - step) % world
         next_length = _lengths(ranges[(owner - 1) % world])
@@ -359,7 +361,7 @@ def _(
     ring_rank: int,
     group_name: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _ring_setup_context(ctx, inputs, output) -> None:
