@@ -9,20 +9,26 @@
 #   1. ring attention on the GPU kernels (RING_S=150): `python -m benchmarks.ring_kernels`: parity of
 #      the ring with SDPA per kernel (flash bf16/fp16 with a padded head dim, efficient fp32 and with
 #      flash off), time and peak memory against the dense fp32 fallback -> ring_kernels.json, .md
-#   2. the trainability suite (TRAIN_S=150): `python -m benchmarks.trainability --out FILE`, skipped with a
+#   2. the headline at real sizes (HEADLINE_S=240): `python -m benchmarks.headline`: SAC's trainable length
+#      against hand-written Ulysses' at Llama-3.2-1B shapes (HEADLINE_LAYERS=4 layers, bf16), measured on
+#      this GPU as sp=1 and as rank 0 of sp=8 (the other ranks stood in by torch's fake process group)
+#      -> headline.json, .md (extra arguments: HEADLINE_ARGS)
+#   3. the trainability suite (TRAIN_S=150): `python -m benchmarks.trainability --out FILE`, skipped with a
 #      message while that module does not exist -> trainability.json (extra arguments: TRAIN_ARGS)
-#   3. the model zoo (ZOO_S=150): `python -m benchmarks.zoo --out FILE`, likewise -> zoo.json (ZOO_ARGS)
-#   4. the side-by-side suite, `python -m benchmarks.run --suite gpu` (SP+SAC, SP, DeepSpeed, ...), in the
+#   4. the model zoo (ZOO_S=150): `python -m benchmarks.zoo --out FILE`, likewise -> zoo.json (ZOO_ARGS)
+#   5. the side-by-side suite, `python -m benchmarks.run --suite gpu` (SP+SAC, SP, DeepSpeed, ...), in the
 #      time left (at least MIN_RUN_S=120, else skipped) -> gpu.json, .md, .png; extra arguments go to it.
 # Results go to GPU_CHECK_OUT (default benchmarks/results/gpu_check), with summary.md: the machine, and
 # every step's status, time and the tail of its log. Where OUT is set (the device tool's folder of files
-# to bring back), the results are packed into $OUT/gpu_check.tgz and summary.md and ring_kernels.md are
-# copied next to it.
+# to bring back), the results are packed into $OUT/gpu_check.tgz and summary.md, headline.md and
+# ring_kernels.md are copied next to it.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 TOTAL_S="${TOTAL_S:-540}"
-RING_S="${RING_S:-150}"
+RING_S="${RING_S:-120}"
+HEADLINE_S="${HEADLINE_S:-240}"
+HEADLINE_LAYERS="${HEADLINE_LAYERS:-4}"
 TRAIN_S="${TRAIN_S:-150}"
 ZOO_S="${ZOO_S:-150}"
 MIN_RUN_S="${MIN_RUN_S:-120}"
@@ -94,7 +100,18 @@ else
   step ring_kernels "$(box "$RING_S")" python -m benchmarks.ring_kernels --out "$RESULTS/ring_kernels.json"
 fi
 
-# 2, 3. suites that may not exist yet: run when their module is there
+# 2. the headline: SAC against Ulysses at Llama-3.2-1B shapes, sp=1 and rank 0 of sp=8
+if [[ "$dry_run" == 1 ]]; then
+  step headline "$(box "$HEADLINE_S")" python -m benchmarks.headline --device cpu --model llama-smoke \
+    --layers 2 --sp 1 2 --probe-lens 256 512 --budget-mib 64 --dtype float32 --compiler aot_eager \
+    --out "$RESULTS/headline.json"
+else
+  # shellcheck disable=SC2086  # the extra arguments are meant to split
+  step headline "$(box "$HEADLINE_S")" python -m benchmarks.headline --layers "$HEADLINE_LAYERS" \
+    --deadline-s $(( HEADLINE_S * 2 / 3 )) --out "$RESULTS/headline.json" ${HEADLINE_ARGS:-}
+fi
+
+# 3, 4. suites that may not exist yet: run when their module is there
 for suite in trainability zoo; do
   if ! has_module "benchmarks.$suite"; then
     skip "$suite" "benchmarks/$suite.py does not exist in this checkout"
@@ -110,7 +127,7 @@ for suite in trainability zoo; do
   step "$suite" "$(box "${!cap_var}")" python -m "benchmarks.$suite" --out "$RESULTS/$suite.json" ${!extra_var:-}
 done
 
-# 4. the side-by-side suite, in the time left
+# 5. the side-by-side suite, in the time left
 remaining=$(left)
 if (( remaining < MIN_RUN_S )); then
   skip side_by_side "$remaining s left, under MIN_RUN_S=$MIN_RUN_S"
@@ -126,14 +143,14 @@ else
 fi
 
 echo >> "$SUMMARY"
-for md in ring_kernels gpu trainability zoo; do
+for md in headline ring_kernels gpu trainability zoo; do
   [[ -f "$RESULTS/$md.md" ]] && { echo "## $md"; echo; cat "$RESULTS/$md.md"; echo; } >> "$SUMMARY"
 done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
 if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then
   tar czf "$OUT/gpu_check.tgz" -C "$RESULTS" .
   cp "$SUMMARY" "$OUT/summary.md"
-  [[ -f "$RESULTS/ring_kernels.md" ]] && cp "$RESULTS/ring_kernels.md" "$OUT/"
+  for md in headline ring_kernels; do [[ -f "$RESULTS/$md.md" ]] && cp "$RESULTS/$md.md" "$OUT/"; done
 fi
 # Every step that ran must have passed (exit 0); skipped steps do not fail the check.
 ! grep -q '| exit [1-9]\|killed at its time box' "$SUMMARY"

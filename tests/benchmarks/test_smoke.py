@@ -142,3 +142,23 @@ def test_ring_kernel_check_runs_its_gpu_code_path_on_the_cpu(tmp_path: Path) -> 
     assert all(row["passed"] for row in rows.values()), rows
     assert set(rows["bf16"]["kernels"]) == {"cpu_flash"} and set(rows["bf16 dense"]["kernels"]) == {"dense"}
     assert "| fp32 dense | dense (" in out.with_suffix(".md").read_text()
+
+
+def test_headline_measures_one_rank_of_a_larger_sp_group_in_one_process(tmp_path: Path) -> None:
+    # benchmarks/gpu_check.sh's headline step, tiny and on the CPU: rank 0 of sp=2 runs alone (the fake
+    # process group stands in for rank 1), and its peaks are those of a shard, not of the whole sequence.
+    out = tmp_path / "headline.json"
+    args = ["--device", "cpu", "--model", "llama-smoke", "--layers", "1", "--sp", "1", "2", "--probe-lens"]
+    args += ["128", "256", "--budget-mib", "64", "--dtype", "float32", "--compiler", "aot_eager"]
+    args += ["--out", str(out)]
+    done = run_module(["benchmarks.headline", *args], timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    rows = {(row["sp"], row["method"]): row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(sp, m) for sp in (1, 2) for m in ("sac", "ulysses")}
+    for row in rows.values():
+        assert "error" not in row and len(row["peaks"]) == 2 and row["max_len"] > 0, row
+        assert row["model"]["max_len"] > 0
+    # the same tokens per rank: rank 0 of sp=2 holds about what one process holds at half the length
+    sp1, sp2 = rows[(1, "sac")]["peaks"], rows[(2, "sac")]["peaks"]
+    assert 0.5 < sp2["512"] / sp1["256"] < 2.0, (sp1, sp2)
+    assert "SAC / Ulysses" in out.with_suffix(".md").read_text()
