@@ -115,6 +115,25 @@ def bench_command(module: str, argv: list[str]) -> str:
     return os.environ.get("AUTOSP_BENCH_COMMAND") or shlex.join(["python", "-m", module, *argv])
 
 
+def report_header(module: str, args: Any, start: float) -> dict:
+    """What a benchmark's report starts with: the command, its settings, the machine, the code and the
+    seconds since ``start`` (``time.monotonic()``)."""
+    return {
+        "command": bench_command(module, sys.argv[1:]),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "code": code_version(),
+        "wall_s_worker": round(time.monotonic() - start, 1),
+    }
+
+
+def write_report(report: dict, out: Path, render: Callable[[dict], str]) -> None:
+    """``report`` as JSON at ``out`` and rendered as Markdown beside it (``.md``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(report))
+
+
 def code_version() -> dict:
     """The commit the benchmark ran at, and whether the package had uncommitted changes."""
 

@@ -40,11 +40,10 @@ from benchmarks.common import (
     RESULTS,
     MiB,
     allocator_peak,
-    bench_command,
-    code_version,
     cuda_peak,
     disable_compile_caches,
-    machine_info,
+    report_header,
+    write_report,
 )
 
 GiB = 2**30
@@ -174,14 +173,7 @@ def run(args: argparse.Namespace) -> dict:
                 if cuda:
                     torch.cuda.empty_cache()
                 torch._dynamo.reset()
-    return {
-        "command": bench_command("benchmarks.headline", sys.argv[1:]),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": machine_info(),
-        "code": code_version(),
-        "wall_s": round(time.monotonic() - start, 1),
-        "rows": rows,
-    }
+    return {**report_header("benchmarks.headline", args, start), "rows": rows}
 
 
 def _length(n: int | None) -> str:
@@ -195,9 +187,9 @@ def render_markdown(report: dict) -> str:
         f"({settings['layers']} layers, {settings['dtype']}, {settings['device']})",
         "",
         f"`{report['command']}`; code {report['code']['commit'][:10] if report['code']['commit'] else '?'}, "
-        f"{report['wall_s']} s. Rank 0 of each sp size measured in one process (the other ranks stood in "
-        "by torch's fake process group); longest length where the line through the two measured peaks "
-        "meets the memory left on the device; the memory model's beside it.",
+        f"{report['wall_s_worker']} s. Rank 0 of each sp size measured in one process (the other ranks "
+        "stood in by torch's fake process group); longest length where the line through the two measured "
+        "peaks meets the memory left on the device; the memory model's beside it.",
         "",
         "| sp | method | peak at probes (MiB) | longest, measured line | longest, memory model "
         "| model error at probes |",
@@ -230,9 +222,7 @@ def render_markdown(report: dict) -> str:
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render_markdown(report))
+    write_report(report, out, render_markdown)
 
 
 def main(argv: list[str] | None = None) -> int:

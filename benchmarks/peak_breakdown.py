@@ -51,13 +51,12 @@ from benchmarks.common import (
     BACKWARD_MARK,
     RESULTS,
     MiB,
-    bench_command,
-    code_version,
     disable_compile_caches,
     launch_or_work,
-    machine_info,
     profile_events,
+    report_header,
     worker_argv,
+    write_report,
 )
 
 KINDS = (
@@ -375,14 +374,7 @@ def worker_main(args: argparse.Namespace) -> None:
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object(results, gathered, dst=0)
     if rank == 0:
-        report = {
-            "command": bench_command("benchmarks.peak_breakdown", sys.argv[1:]),
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "machine": machine_info(),
-            "code": code_version(),
-            "wall_s_worker": round(time.monotonic() - start, 1),
-            "per_rank": gathered,
-        }
+        report = {**report_header("benchmarks.peak_breakdown", args, start), "per_rank": gathered}
         write_outputs(report, args.out)
     dist.barrier()
     dist.destroy_process_group()
@@ -460,9 +452,7 @@ def render_markdown(report: dict) -> str:
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render_markdown(report))
+    write_report(report, out, render_markdown)
 
 
 def main(argv: list[str] | None = None) -> int:

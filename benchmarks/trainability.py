@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, MiB, code_version, machine_info
+from benchmarks.common import RESULTS, ROOT, MiB, code_version, machine_info, write_report
 
 # name -> benchmarks.run arguments; sp is every rank (one sp group). The budget shrinks with the bytes per
 # token of a rank (half in bf16, half again at sp=4) so that every configuration searches about the same
@@ -308,9 +308,7 @@ def readme_section(report: dict) -> str:
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render_markdown(report))
+    write_report(report, out, render_markdown)
 
 
 if __name__ == "__main__":

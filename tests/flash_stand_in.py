@@ -128,8 +128,13 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window_left, window_righ
 
 
 def _like_q(q: Tensor, out: Tensor) -> Tensor:
-    """``out`` laid out in memory like q, as flash-attn allocates it (``empty_like(q)``, as its fakes say)."""
-    return torch.empty_like(q).copy_(out)
+    """``out`` laid out in memory like q, as flash-attn allocates it (``empty_like(q)``, as its fakes say).
+
+    Varlen: tokens past ``cu_seqlens_q[-1]`` are not written by flash-attn; here they are zeros.
+    """
+    result = torch.zeros_like(q)
+    result.narrow(0, 0, out.shape[0]).copy_(out)
+    return result
 
 
 def _grads(fn, dout: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:

@@ -108,16 +108,14 @@ def sdpa_pass(graph: fx.Graph, node: fx.Node, ctx: SPContext, report) -> None:
             key = call(graph, torch.repeat_interleave, (key, repeats), {"dim": 1})
             value = call(graph, torch.repeat_interleave, (value, repeats), {"dim": 1})
             report.replicated_kv_heads.append(f"{node.name}: {kv_heads} -> {kv_heads * repeats}")
+        # An explicit mask sends CPU SDPA down its math path, which Inductor's attention-fusion patterns
+        # rewrite; their check fails hard (torch 2.13) on q, k, v that arrive as the all-to-all's
+        # permuted views (Note [Token-major all-to-all]). There: one copy each, next to S x S scores.
+        copy = {"contiguous": True} if args["attn_mask"] is not None else {}
         q, k, v = (
-            call(graph, _SEQ_TO_HEAD, (t, 1, 2, *ctx.ulysses_comm_args))
+            call(graph, _SEQ_TO_HEAD, (t, 1, 2, *ctx.ulysses_comm_args), copy)
             for t in _in_attention_dtype(graph, node, (query, key, value), report)
         )
-        if args["attn_mask"] is not None:
-            # An explicit mask sends CPU SDPA down its math path, which Inductor's attention-fusion
-            # patterns rewrite; their check fails hard (torch 2.13) on q, k, v that arrive as the
-            # all-to-all's permuted views (Note [Token-major all-to-all]). One copy each, next to S x S
-            # scores.
-            q, k, v = (call(graph, torch.Tensor.contiguous, (t,)) for t in (q, k, v))
     args.update(query=q, key=k, value=v)
     node.args = (q, k, v)
     node.kwargs = {

@@ -131,12 +131,19 @@ def _all_to_all(rows: Tensor, output_splits: list[int], input_splits: list[int],
 
 
 def seq_to_head(
-    x: Tensor, head_dim: int, seq_dim: int, seq_lens: list[int], rank: int, group_name: str
+    x: Tensor,
+    head_dim: int,
+    seq_dim: int,
+    seq_lens: list[int],
+    rank: int,
+    group_name: str,
+    contiguous: bool = False,
 ) -> Tensor:
     """All-to-all from sequence shards to head shards: [B, H, S_r, D] -> [B, H/P, S, D].
 
     Rank r sends head group j (heads j*H/P .. (j+1)*H/P) of its S_r tokens to rank j and receives
-    head group r of every rank's tokens (Note [Token-major all-to-all]).
+    head group r of every rank's tokens (Note [Token-major all-to-all]): a view of what arrived, or
+    with ``contiguous`` a contiguous copy of it.
     """
     world = len(seq_lens)
     front = _seq_front(x, head_dim, seq_dim)  # [S_r, H, R]
@@ -144,7 +151,8 @@ def seq_to_head(
     # [P * S_r, H/P, R]: for each rank j in turn, head group j of this rank's tokens
     send = front.reshape(local, world, heads, rest).transpose(0, 1).reshape(world * local, heads, rest)
     received = _all_to_all(send, list(seq_lens), [local] * world, group_name)  # [S, H/P, R], rank order
-    return _from_seq_front(received, list(x.shape), head_dim, seq_dim)
+    heads_layout = _from_seq_front(received, list(x.shape), head_dim, seq_dim)
+    return heads_layout.contiguous() if contiguous else heads_layout
 
 
 def head_to_seq(
