@@ -38,11 +38,12 @@ Note [Token-major all-to-all]
     output (a view where that output is token-major, as SDPA's CPU and flash kernels return it); the
     one copy left, putting the P head groups side by side, is the one any all-to-all of this kind
     needs. Results are views in the memory order they arrive in; the consumer (SDPA, the model's
-    own ``transpose(1, 2).reshape``) takes the strides or copies once. The blocks are rows of a
-    3-d [tokens, heads, R] tensor, not a flat one: Inductor writes the send buffer in the same kernel
-    as the op before it (q's rotary embedding), and with a symbolic length a flat buffer's index
-    needs a division by the length in the innermost loop, which the CPU backend does not vectorize
-    (the rotary kernel ran 5x slower than hand-written Ulysses' for that alone).
+    own ``transpose(1, 2).reshape``) takes the strides or copies once, and where one cannot take them
+    (a masked SDPA under Inductor, ``attention.py``) ``seq_to_head(contiguous=True)`` copies. The
+    blocks are rows of a 3-d [tokens, heads, R] tensor, not a flat one: Inductor writes the send
+    buffer in the same kernel as the op before it (q's rotary embedding), and with a symbolic length a
+    flat buffer's index needs a division by the length in the innermost loop, which the CPU backend
+    does not vectorize (the rotary kernel ran 5x slower than hand-written Ulysses' for that alone).
 """
 
 from __future__ import annotations
