@@ -104,6 +104,24 @@ def launch_or_work(
     return 0
 
 
+def render_or_launch(
+    module: str,
+    argv: list[str],
+    parse_args: Callable[[list[str]], Any],
+    write_outputs: Callable[[dict, Path], None],
+    work: Callable[[Any], None],
+) -> int:
+    """A torchrun benchmark's entry point: with ``--render``, rewrite the .md from the JSON at ``--out``
+    and print it; otherwise ``launch_or_work``. The exit code."""
+    argv = worker_argv(argv)
+    args = parse_args(argv)
+    if args.render:
+        write_outputs(json.loads(args.out.read_text()), args.out)
+        print(args.out.with_suffix(".md").read_text())
+        return 0
+    return launch_or_work(module, argv, args, write_report=write_outputs, work=work)
+
+
 def worker_argv(argv: list[str]) -> list[str]:
     """The arguments of this worker: those ``relaunch_under_torchrun`` passed on, else ``argv``."""
     if "LOCAL_RANK" in os.environ and "AUTOSP_BENCH_ARGV" in os.environ:

@@ -24,7 +24,6 @@ late, so it is listed but not counted as the collective's cost.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -36,9 +35,8 @@ from typing import Any
 from benchmarks.common import (
     RESULTS,
     disable_compile_caches,
-    launch_or_work,
+    render_or_launch,
     report_header,
-    worker_argv,
     write_report,
 )
 
@@ -223,13 +221,8 @@ def write_outputs(report: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = worker_argv(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.render:
-        write_outputs(json.loads(args.out.read_text()), args.out)
-        print(args.out.with_suffix(".md").read_text())
-        return 0
-    return launch_or_work("benchmarks.kernel_diff", argv, args, write_report=write_outputs, work=worker_main)
+    argv = sys.argv[1:] if argv is None else argv
+    return render_or_launch("benchmarks.kernel_diff", argv, parse_args, write_outputs, worker_main)
 
 
 if __name__ == "__main__":

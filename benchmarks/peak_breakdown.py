@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from collections import Counter
@@ -52,10 +51,9 @@ from benchmarks.common import (
     RESULTS,
     MiB,
     disable_compile_caches,
-    launch_or_work,
     profile_events,
+    render_or_launch,
     report_header,
-    worker_argv,
     write_report,
 )
 
@@ -456,15 +454,8 @@ def write_outputs(report: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = worker_argv(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.render:
-        write_outputs(json.loads(args.out.read_text()), args.out)
-        print(args.out.with_suffix(".md").read_text())
-        return 0
-    return launch_or_work(
-        "benchmarks.peak_breakdown", argv, args, write_report=write_outputs, work=worker_main
-    )
+    argv = sys.argv[1:] if argv is None else argv
+    return render_or_launch("benchmarks.peak_breakdown", argv, parse_args, write_outputs, worker_main)
 
 
 if __name__ == "__main__":
