@@ -89,6 +89,7 @@ def modelled(method: str, model: Any, sp: int, dtype: str, seq_lens: list[int], 
     """The memory model's bytes above the parameters at ``seq_lens``, and its longest length in ``budget``."""
     from lightning_autosp.memory_model import Setup, step_memory
     from lightning_autosp.model_shapes import model_shape
+    from lightning_autosp.planner import max_seq_len
 
     shape = model_shape(model)
     setup = Setup(
@@ -101,16 +102,18 @@ def modelled(method: str, model: Any, sp: int, dtype: str, seq_lens: list[int], 
         optimizer_impl="fused",
     )
 
-    def above_params(seq_len: int) -> int:
-        step = step_memory(shape, setup, seq_len)
-        # the benchmark's step: no optimizer state and no DDP buckets (gradients all-reduced in place)
-        return step.forward_backward - step.params - shape.param_count * setup.param_bytes
+    # Held whatever the length, and not in the measured peak: the parameters, and the DDP buckets the
+    # model counts (the benchmark all-reduces gradients in place). Without optimizer state the step's
+    # peak is forward and backward's (Note [Step peak]), so the planner's search applies with them added.
+    held = step_memory(shape, setup, sp).params + shape.param_count * setup.param_bytes
 
-    lo, hi = 0, 2**27 // sp
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if above_params(mid * sp) <= budget else (lo, mid)
-    return {"bytes": {str(s): above_params(s) for s in seq_lens}, "max_len": lo * sp}
+    def above_params(seq_len: int) -> int:
+        return step_memory(shape, setup, seq_len).total - held
+
+    return {
+        "bytes": {str(s): above_params(s) for s in seq_lens},
+        "max_len": max_seq_len(shape, setup, int(budget) + held),
+    }
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -147,20 +147,9 @@ def worker_main(args: argparse.Namespace) -> None:
 # report
 
 
-def _renamed(rounds: list[dict[str, float]]) -> list[dict[str, float]]:
-    merged = []
-    for times in rounds:
-        by_name: dict[str, float] = defaultdict(float)
-        for key, ms in times.items():
-            by_name[kernel_name(key)] += ms
-        merged.append(by_name)
-    return merged
-
-
 def compare(rounds_a: list[dict[str, float]], rounds_b: list[dict[str, float]]) -> list[dict]:
     """Per kernel name: the least per-step time of each method's rounds, their spreads, the difference."""
     rows = []
-    rounds_a, rounds_b = _renamed(rounds_a), _renamed(rounds_b)
     for name in set().union(*rounds_a, *rounds_b):
         a = [r.get(name, 0.0) for r in rounds_a]
         b = [r.get(name, 0.0) for r in rounds_b]
