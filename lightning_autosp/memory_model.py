@@ -9,10 +9,11 @@ Note [What is saved for backward]
     Counted tensor by tensor from the partitioned graphs of a 2-layer GPT and HF Llama (sp=1 and
     sp=2, fp32, bf16 and bf16-mixed; ``benchmarks/planner.py`` prints the list), per rank:
 
-    - SAC on (``compiler/sac.py``): per layer the attention output [B, H/P, S, D] and its
-      logsumexp (fp32); with P > 1 also the all-to-all outputs q, k, v [B, H/P, S, D] and the
-      attention output back in sequence layout [B, S/P, h]; the residual stream at every block
-      input but the first (rebuilt from the token ids) and at the final norm's input; the shifted
+    - SAC on (``compiler/sac.py``): per layer the attention's logsumexp (fp32) and its output
+      [B, H/P, S, D], the latter only where no all-to-all brings it back (sp=1, ring attention: Note
+      [Attention output by its row sums]); with P > 1 also the all-to-all outputs q, k, v
+      [B, H/P, S, D] and the attention output back in sequence layout [B, S/P, h]; the residual
+      stream at every block input but the first (rebuilt from the token ids) and at the final norm's input; the shifted
       labels. Everything else, the logits included, is recomputed in backward.
     - SAC off (PyTorch's min-cut): per layer the norm outputs and statistics, q, k, v, the attention
       output and logsumexp, the attention output in sequence layout, the residual after attention and
@@ -170,7 +171,11 @@ def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str
     s = _Sizes.of(shape, setup, seq_len)
     T, L, h, q = s.tokens, shape.layers, shape.hidden, shape.attention_width
     if setup.sac:
-        saved = {"attention out + logsumexp": L * s.head_tokens * (q * s.x + shape.heads * 4)}
+        saved = {"logsumexp": L * s.head_tokens * shape.heads * 4}
+        # With all-to-alls around SDPA, backward takes the output's row sums instead of the output in
+        # head layout (Note [Attention output by its row sums]); ring attention keeps its output.
+        if setup.sp_size == 1 or setup.layout.ulysses_degree < setup.sp_size:
+            saved["attention out"] = L * s.head_tokens * q * s.x
         if setup.sp_size > 1:
             saved["q, k, v after all-to-all"] = L * s.head_tokens * (q + 2 * s.kv_width) * s.x
             saved["attention out after all-to-all"] = L * T * q * s.x

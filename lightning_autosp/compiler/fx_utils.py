@@ -3,6 +3,7 @@ inserting nodes with fake values, and naming the user's source line of a node.""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import re
@@ -11,6 +12,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import detect_fake_mode
+from torch.utils import _pytree as pytree
 
 from lightning_autosp.compiler import symbols
 
@@ -222,3 +225,49 @@ def _written_unread(write: fx.Node) -> bool:
                 continue
             return False
     return True
+
+
+# ----------------------------------------------------------------------------------------- ATen graphs
+
+
+def _val(node: object) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+class Emitter:
+    """Inserts ATen nodes into a graph AOTAutograd made, one after the other, each with its fake value
+    (``meta["val"]``, as AOTAutograd records them)."""
+
+    def __init__(self, graph: fx.Graph, after: fx.Node) -> None:
+        self.graph, self.anchor = graph, after
+
+    def call(
+        self, target: object, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None
+    ) -> fx.Node:
+        with self.graph.inserting_after(self.anchor):
+            node = self.graph.call_function(target, args, kwargs or {})
+        if like is not None:
+            node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
+        try:
+            node.meta["val"] = aten_fake_value(node)
+        except Exception:
+            self.graph.erase_node(node)
+            raise
+        self.anchor = node
+        return node
+
+    def size(self, target: object, left: object, right: object) -> object:
+        """``target(left, right)`` on sizes: a number, or a node when a side is symbolic."""
+        if isinstance(left, fx.Node) or isinstance(right, fx.Node):
+            return self.call(target, (left, right))
+        return target(left, right)
+
+
+def aten_fake_value(node: fx.Node) -> object:
+    """``node``'s value computed on its inputs' fake values (``meta["val"]``)."""
+    args = fx.node.map_arg(node.args, _val)
+    kwargs = fx.node.map_arg(node.kwargs, _val)
+    tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(tensors) if tensors else None
+    with mode or contextlib.nullcontext(), enable_python_dispatcher():
+        return node.target(*args, **kwargs)

@@ -31,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-from lightning_autosp.compiler import symbols, tiling
+from lightning_autosp.compiler import row_sums, symbols, tiling
 from lightning_autosp.compiler.fx_utils import ancestors
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.ordering import order_collectives
@@ -405,6 +405,8 @@ class SACReport:
     gathers_in_compute_dtype: int = 0  # parameters cast to autocast's dtype before their all-gather
     tiled_regions: int = 0  # row-wise regions run over tiles of rows (Note [Row tiling]), both graphs
     tiles: int = 0  # the most tiles one of them runs in
+    # attention backwards given their output's row sums, not the output (row_sums.py)
+    attention_outputs_by_row_sums: int = 0
 
     def line(self) -> str:
         share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
@@ -418,6 +420,8 @@ class SACReport:
             text += f" ({self.gathers_in_compute_dtype} gathered in the compute dtype)"
         if self.tiled_regions:
             text += f", {self.tiled_regions} row-wise regions run in up to {self.tiles} tiles of tokens"
+        if self.attention_outputs_by_row_sums:
+            text += f", {self.attention_outputs_by_row_sums} attention outputs replaced by their row sums"
         return f"{text}; {self.reason}" if self.reason else text
 
 
@@ -468,8 +472,10 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        reason = ""
+        reason, by_row_sums = "", 0
         if self.mode != "off":
+            # Before tagging: what backward reads decides what the partitioner saves.
+            by_row_sums = row_sums.hand_attention_output_by_row_sums(gm)
             recomputable, reason = (
                 (None, "") if self.mode == "all" else choose_recomputable(gm, self.overhead)
             )
@@ -485,6 +491,7 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
             graph_module.recompile()
         report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
         report.gathers_in_compute_dtype = cast_gathers
+        report.attention_outputs_by_row_sums = by_row_sums
         report.tiled_regions = sum(t.regions for t in tilings)
         report.tiles = max((t.tiles for t in tilings), default=0)
         self.reports.append(report)
@@ -494,7 +501,7 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
     def uuid(self) -> Any:
         # Inductor's FX graph and AOTAutograd caches key on this, so it must change with everything
         # that changes the partition: this file's code and every setting.
-        files = (__file__, tiling.__file__)
+        files = (__file__, tiling.__file__, row_sums.__file__)
         return get_hash_for_files(
             files, extra=f"mode={self.mode!r} overhead={self.overhead!r} tile={self.tile_bytes}"
         )

@@ -35,7 +35,6 @@ Note [Row tiling]
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import operator
@@ -45,11 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch._dispatch.python import enable_python_dispatcher
-from torch._guards import detect_fake_mode
-from torch.utils import _pytree as pytree
 
 from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler.fx_utils import Emitter
 from lightning_autosp.compiler.tiling_rules import (
     Partial,
     Rows,
@@ -365,43 +362,6 @@ def _most(rows: object) -> int:
     return int(upper) if getattr(upper, "is_Integer", False) else 1 << 62
 
 
-class _Emitter:
-    """Inserts nodes one after the other, each with its fake value."""
-
-    def __init__(self, graph: fx.Graph, after: fx.Node) -> None:
-        self.graph, self.anchor = graph, after
-
-    def call(
-        self, target: object, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None
-    ) -> fx.Node:
-        with self.graph.inserting_after(self.anchor):
-            node = self.graph.call_function(target, args, kwargs or {})
-        if like is not None:
-            node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
-        try:
-            node.meta["val"] = _fake(node)
-        except Exception:
-            self.graph.erase_node(node)
-            raise
-        self.anchor = node
-        return node
-
-    def size(self, target: object, left: object, right: object) -> object:
-        """``target(left, right)`` on sizes: a number, or a node when a side is symbolic."""
-        if isinstance(left, fx.Node) or isinstance(right, fx.Node):
-            return self.call(target, (left, right))
-        return target(left, right)
-
-
-def _fake(node: fx.Node) -> object:
-    args = fx.node.map_arg(node.args, value_of)
-    kwargs = fx.node.map_arg(node.kwargs, value_of)
-    tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-    mode = detect_fake_mode(tensors) if tensors else None
-    with mode or contextlib.nullcontext(), enable_python_dispatcher():
-        return node.target(*args, **kwargs)
-
-
 def _lower(
     graph: fx.Graph,
     region: Region,
@@ -423,7 +383,7 @@ def _lower(
             depends.add(node)
             movers.append(node)
 
-    emit = _Emitter(graph, last)
+    emit = Emitter(graph, last)
     inputs = [a for n in region.nodes for a in n.all_input_nodes if a not in inside]
     row_inputs = {a: layouts[a] for a in dict.fromkeys(inputs) if isinstance(layouts[a], Rows)}
     total: object = rows
@@ -488,7 +448,7 @@ def _lower(
         anchor = node
 
 
-def _concatenate(emit: _Emitter, pieces: list[fx.Node], dim: int, like: torch.Tensor) -> fx.Node:
+def _concatenate(emit: Emitter, pieces: list[fx.Node], dim: int, like: torch.Tensor) -> fx.Node:
     """The tiles joined along ``dim``, with the strides ``like`` has (dense in its own order of dims)."""
     order = _stride_order(like)
     if order == sorted(order):
@@ -499,7 +459,7 @@ def _concatenate(emit: _Emitter, pieces: list[fx.Node], dim: int, like: torch.Te
 
 
 def _replay_views(
-    emit: _Emitter, output: fx.Node, inside: set[fx.Node], wholes: dict[fx.Node, fx.Node]
+    emit: Emitter, output: fx.Node, inside: set[fx.Node], wholes: dict[fx.Node, fx.Node]
 ) -> fx.Node:
     chain = [output]
     while chain[-1] not in wholes:
@@ -511,7 +471,7 @@ def _replay_views(
     return value
 
 
-def _copy(emit: _Emitter, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+def _copy(emit: Emitter, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     """The node's op on one tile. A view becomes a reshape: a tile of a value another op laid out (a
     transposed gradient) need not have strides the view can keep, and a reshape copies only then."""
     target = (
@@ -520,7 +480,7 @@ def _copy(emit: _Emitter, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     return emit.call(target, args, kwargs, like=node)
 
 
-def _accumulate(emit: _Emitter, total: fx.Node | None, piece: fx.Node, output: fx.Node) -> fx.Node:
+def _accumulate(emit: Emitter, total: fx.Node | None, piece: fx.Node, output: fx.Node) -> fx.Node:
     """Add a tile's part of a sum over rows, in float32 when the op computes in a narrower dtype."""
     dtype = value_of(output).dtype
     if dtype.is_floating_point and dtype.itemsize < 4:

@@ -205,7 +205,7 @@ def test_plan_renders_and_flags_sp_groups_across_nodes() -> None:
     assert all(o.sp_within_node == (o.setup.sp_size <= 8) for o in result.options)
     assert result.__rich__().row_count == len(result.options)
     table = readme_table(seq_lens=(2**17,), device_counts=(64,))
-    assert table.count("\n") == 3 and "| Llama-3.1-70B | 128K | 64 | 32 * |" in table  # * spans nodes
+    assert table.count("\n") == 3 and "| Llama-3.1-70B | 128K | 64 | 16 * |" in table  # * spans nodes
 
 
 # --------------------------------------------------------------------------------------------------
