@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_check.sh --dry-run   # anywhere: every step's code path on the CPU, tiny
 #
 # Steps, in this order, each killed at its time box (seconds; the environment variables override them):
+#   0. (60 s) that the CUDA attention backwards read their output only through its row sums, as
+#      compiler/row_sums.py relies on: `pytest tests/unit/test_row_sums.py -k "cuda or cpu_flash"`
 #   1. ring attention on the GPU kernels (RING_S=150): `python -m benchmarks.ring_kernels`: parity of
 #      the ring with SDPA per kernel (flash bf16/fp16 with a padded head dim, efficient fp32 and with
 #      flash off), time and peak memory against the dense fp32 fallback -> ring_kernels.json, .md
@@ -91,6 +93,10 @@ if [[ "$dry_run" == 0 && "$gpus" -lt 1 ]]; then
   echo "no CUDA GPU found; use --dry-run to check the script on this machine" >&2
   exit 2
 fi
+
+# 0. the CUDA kernels' side of Note [Attention output by its row sums] (compiler/row_sums.py)
+step row_sums_kernels "$(box 60)" python -m pytest -q -p no:cacheprovider tests/unit/test_row_sums.py \
+  -k "cuda or cpu_flash"
 
 # 1. ring attention kernels
 if [[ "$dry_run" == 1 ]]; then

@@ -56,6 +56,38 @@ def test_cpu_flash_backward_reads_its_output_only_through_row_sums(dtype, causal
             assert ((ours.double() - exact).abs().max() / scale) <= 1.5 * own_error + 1e-3
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs it)"
+)
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_cuda_attention_backwards_read_their_output_only_through_row_sums(kernel) -> None:
+    """The CUDA kernels in ``row_sums._OUTPUT_ARGUMENT`` (FlashAttention-2, memory-efficient)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    dtype = torch.bfloat16 if kernel == "flash" else torch.float32
+    q, k, v, grad_out = (
+        torch.randn(2, 4, 300, 64, device="cuda", generator=generator, dtype=dtype) for _ in range(4)
+    )
+    aten = torch.ops.aten
+    if kernel == "flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True
+        )
+        run = lambda o: aten._scaled_dot_product_flash_attention_backward(  # noqa: E731
+            grad_out, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset
+        )
+    else:
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+        run = lambda o: aten._scaled_dot_product_efficient_attention_backward(  # noqa: E731
+            grad_out, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False], True
+        )
+    delta = (grad_out.float() * out.float()).sum(-1)
+    for ours, theirs in zip(run(_stand_in(grad_out, delta)), run(out)):
+        if theirs is None:
+            continue
+        error = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
+        assert error <= (1e-5 if dtype == torch.float32 else 2e-2), error
+
+
 def _run(family: str, global_len: int, compiler: str, dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
     module = (GPTModule if family == "gpt" else LlamaModule)().to(dtype)
