@@ -256,13 +256,19 @@ def settings_line(report: dict) -> str:
         + f", {spec['parameters'] / 1e6:.2f}M parameters"
         for name, spec in runs[0]["models"].items()
     )
+    codes = ", ".join(
+        f"{config} {((run.get('code') or {}).get('commit') or '?')[:10]}"
+        for config, run in report["configs"].items()
+        if "settings" in run
+    )
     return (
         f"Per-rank budget {budgets} over each step's allocator peak (CPU: c10 allocator "
         f"high-water mark of the step; parameters held before it are not counted), batch {st['batch_size']}, "
         f"compiler `{st['compiler']}`, {st['threads']} torch thread(s) per rank, step times at "
         f"{st['headline_len']} tokens ({st['repeats']} rounds). Models: {models}. "
         f"{m['cpu_count']} CPUs, torch {m['torch']}, DeepSpeed {m.get('deepspeed')}; "
-        f"{report['wall_s']:.0f} s in all; code {(report['code']['commit'] or '')[:10]}."
+        f"code per configuration: {codes} (`benchmarks/results/trainability/<config>.json` has each one's "
+        "command)."
     )
 
 
