@@ -13,8 +13,8 @@ Note [What is saved for backward]
       [B, H/P, S, D], the latter only where no all-to-all brings it back (sp=1, ring attention: Note
       [Attention output by its row sums]); with P > 1 also the all-to-all outputs q, k, v
       [B, H/P, S, D] and the attention output back in sequence layout [B, S/P, h]; the residual
-      stream at every block input but the first (rebuilt from the token ids) and at the final norm's input; the shifted
-      labels. Everything else, the logits included, is recomputed in backward.
+      stream at every block input but the first (rebuilt from the token ids) and at the final norm's
+      input; the shifted labels. Everything else, the logits included, is recomputed in backward.
     - SAC off (PyTorch's min-cut): per layer the norm outputs and statistics, q, k, v, the attention
       output and logsumexp, the attention output in sequence layout, the residual after attention and
       after the MLP, and the MLP's matmul outputs (3 of width I for a gated MLP, 2 for a GELU one);

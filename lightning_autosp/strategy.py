@@ -14,7 +14,6 @@ import math
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,16 +22,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_autosp import fsdp, planner
+from lightning_autosp.checkpoints import ShardedCheckpoints
 from lightning_autosp.compiler.backend import (
     DEFAULT_TILE_BYTES,
     AutoSPBackend,
@@ -70,7 +68,7 @@ _STEP_CONTEXTS = {
 }
 
 
-class AutoSPStrategy(DDPStrategy):
+class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
     """Data parallel x sequence parallel training by compiler passes.
 
     Every rank of an sp group receives the same sample and keeps only its slice of the sequence; the
@@ -486,69 +484,6 @@ class AutoSPStrategy(DDPStrategy):
 
     # Checkpoints under data_parallel="fsdp", as Lightning's ModelParallelStrategy does them: the
     # strategy loads weights and optimizer states itself once they are sharded, after setup.
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return self.data_parallel == "fsdp"
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return self.data_parallel != "fsdp"
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.data_parallel != "fsdp":
-            return super().lightning_module_state_dict()
-        return fsdp.model_state_dict(self.model, full=not self._save_distributed_checkpoint)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.data_parallel != "fsdp":
-            return super().optimizer_state(optimizer)
-        full = not self._save_distributed_checkpoint
-        return fsdp.optimizer_state_dict(self.model, optimizer, full=full, rank=self.global_rank)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.data_parallel != "fsdp":  # else load_checkpoint has loaded it
-            super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.data_parallel != "fsdp":  # else load_checkpoint has loaded it
-            super().load_optimizer_state_dict(checkpoint)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if self.data_parallel != "fsdp":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(filepath))  # one path for all ranks
-        if not self._save_distributed_checkpoint:
-            if self.is_global_zero:
-                fsdp.remove_distributed_checkpoint(path)
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        if storage_options is not None:
-            raise TypeError(
-                "save_checkpoint(storage_options=...) is not supported with save_distributed_checkpoint=True:"
-                " torch.distributed.checkpoint writes the shards, not the CheckpointIO plugin."
-            )
-        fsdp.save_distributed_checkpoint(checkpoint, path, rank=self.global_rank)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if self.data_parallel != "fsdp":
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return fsdp.load_checkpoint(
-            Path(self.broadcast(checkpoint_path)),
-            self.model,
-            self.optimizers,
-            strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
-        )
 
     def gather_sequence(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's slice of a sequence-sharded output (e.g. from ``predict_step``) -> the whole sequence.
