@@ -230,7 +230,8 @@ def _written_unread(write: fx.Node) -> bool:
 # ----------------------------------------------------------------------------------------- ATen graphs
 
 
-def _val(node: object) -> object:
+def value_of(node: object) -> object:
+    """A node's value in a graph AOTAutograd made (``meta["val"]``); anything else as it is."""
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
@@ -265,8 +266,8 @@ class Emitter:
 
 def aten_fake_value(node: fx.Node) -> object:
     """``node``'s value computed on its inputs' fake values (``meta["val"]``)."""
-    args = fx.node.map_arg(node.args, _val)
-    kwargs = fx.node.map_arg(node.kwargs, _val)
+    args = fx.node.map_arg(node.args, value_of)
+    kwargs = fx.node.map_arg(node.kwargs, value_of)
     tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     mode = detect_fake_mode(tensors) if tensors else None
     with mode or contextlib.nullcontext(), enable_python_dispatcher():

@@ -37,7 +37,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from lightning_autosp.compiler.fx_utils import Emitter, aten_fake_value
+from lightning_autosp.compiler.fx_utils import Emitter, aten_fake_value, value_of
 
 aten = torch.ops.aten
 _functional = torch.ops._c10d_functional
@@ -54,16 +54,12 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
 _COPIES = {aten.clone.default}
 
 
-def _val(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
 def _keeps_runs(node: fx.Node, run: int) -> bool:
     """Whether a view or copy keeps every run of ``run`` consecutive values of its input's last dim
     (aligned to multiples of ``run``) as such a run of its output: a permute that keeps the last dim
     last, or a reshape to a last dim that is a multiple of ``run`` (a reshape keeps the order of
     elements, and the runs start at multiples of ``run`` in it)."""
-    value, source = _val(node), _val(node.args[0])
+    value, source = value_of(node), value_of(node.args[0])
     if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
         return False
     if node.target is aten.permute.default:
@@ -126,7 +122,7 @@ class _Match:
         out = _strip(self.backward.args[self.out_index])
         if not isinstance(out, fx.Node) or out.target is not operator.getitem or out.args[1] != 0:
             return False
-        value = _val(out)
+        value = value_of(out)
         if not isinstance(value, torch.Tensor) or not isinstance(value.shape[-1], int):
             return False
         self.out, self.head_dim = out, value.shape[-1]
@@ -144,7 +140,7 @@ class _Match:
         # The gradient's all-to-all is the forward one reversed: the same group, the splits swapped.
         if backward_args[1:] != (forward_args[2], forward_args[1], forward_args[3]):
             return False
-        received, grad_rows = _val(self.received), _val(self.backward_a2a.args[0])
+        received, grad_rows = value_of(self.received), value_of(self.backward_a2a.args[0])
         return (
             isinstance(received, torch.Tensor)
             and isinstance(grad_rows, torch.Tensor)
@@ -155,19 +151,19 @@ class _Match:
 
 
 def _size(emit: Emitter, node: fx.Node, dim: int) -> object:
-    size = _val(node).shape[dim]
+    size = value_of(node).shape[dim]
     return size if isinstance(size, int) else emit.call(aten.sym_size.int, (node, dim))
 
 
 def _to_float(emit: Emitter, node: fx.Node) -> fx.Node:
-    if _val(node).dtype == torch.float32:
+    if value_of(node).dtype == torch.float32:
         return node
     return emit.call(torch.ops.prims.convert_element_type.default, (node, torch.float32))
 
 
 def _rewrite(graph: fx.Graph, match: _Match) -> None:
     grad_rows = match.backward_a2a.args[0]
-    dtype, run = _val(grad_rows).dtype, match.head_dim
+    dtype, run = value_of(grad_rows).dtype, match.head_dim
     emit = Emitter(graph, grad_rows)
     rows, heads, width = (_size(emit, grad_rows, d) for d in range(3))
     runs = emit.size(operator.floordiv, width, run)
@@ -196,7 +192,7 @@ def _rewrite(graph: fx.Graph, match: _Match) -> None:
     weight = emit.call(aten.div.Tensor, (emit.call(aten.unsqueeze.default, (delta, -1)), denominator))
     weight = emit.call(aten.where.ScalarOther, (nonzero, weight, 0.0))
     stand_in = emit.call(aten.mul.Tensor, (unit, weight))
-    stand_in = emit.call(torch.ops.prims.convert_element_type.default, (stand_in, _val(match.out).dtype))
+    stand_in = emit.call(torch.ops.prims.convert_element_type.default, (stand_in, value_of(match.out).dtype))
     stand_in = emit.call(aten.view.default, (stand_in, [tokens, heads, width]))
     # The gradient's views, as before, now from the packed rows; O' through the same views.
     match.grad_wait.replace_all_uses_with(grad)

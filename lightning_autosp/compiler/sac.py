@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from lightning_autosp.compiler import row_sums, symbols, tiling
-from lightning_autosp.compiler.fx_utils import ancestors
+from lightning_autosp.compiler.fx_utils import ancestors, value_of
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.ordering import order_collectives
 from lightning_autosp.compiler.tiling import tile_rows_pass
@@ -251,7 +251,7 @@ def cast_before_parameter_gathers(joint: fx.GraphModule) -> int:
             end = user
         casts = list(end.users)
         dtypes = {_cast_dtype(c) for c in casts}
-        source = _value(gather.args[0])
+        source = value_of(gather.args[0])
         if _op_name(chain[-1]) == "all_gather_into_tensor" or len(dtypes) != 1 or None in dtypes:
             continue
         (dtype,) = dtypes
@@ -336,25 +336,21 @@ def tag_parameter_gathers(joint: fx.GraphModule) -> int:
     return len(gathered)
 
 
-def _value(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one ATen node from its fake values (matmuls, attention); other ops count 0."""
     packet = getattr(node.target, "_overloadpacket", None)
     if _op_name(node) in _SEQUENCE_FIRST_ATTENTION_OPS:
-        query, key = _value(node.args[0]), _value(node.args[1])
+        query, key = value_of(node.args[0]), value_of(node.args[1])
         return symbols.concrete(4 * math.prod(query.shape[:-1]) * key.shape[-3] * query.shape[-1])
     if _op_name(node) in _ATTENTION_OPS:
-        query, key = _value(node.args[0]), _value(node.args[1])
+        query, key = value_of(node.args[0]), value_of(node.args[1])
         batch_heads = math.prod(query.shape[:-2])
         return symbols.concrete(4 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1])
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
-    args = torch.fx.node.map_arg(node.args, _value)
-    kwargs = torch.fx.node.map_arg(node.kwargs, _value)
+    args = torch.fx.node.map_arg(node.args, value_of)
+    kwargs = torch.fx.node.map_arg(node.kwargs, value_of)
     try:
         return symbols.concrete(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:  # an unusual overload: count nothing rather than fail the compile

@@ -19,6 +19,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler.fx_utils import value_of
 
 aten = torch.ops.aten
 
@@ -47,10 +48,6 @@ class TileRule:
 
     output: TileLayout | tuple[TileLayout, ...]
     resize: Resize | None = None
-
-
-def value_of(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
 def node_bytes(node: fx.Node) -> int:
