@@ -6,7 +6,7 @@ Before::
 
 After::
 
-    q, k, v [B, H, S_r, D] -> seq_to_head -> [B, H/P, S, D]
+    q, k, v [B, H, S_r, D] -> seq_to_head_packed (one all-to-all) -> [B, H/P, S, D] each
         -> sdpa(is_causal | attn_mask [S, S]) -> [B, H/P, S, D] -> head_to_seq -> [B, H, S_r, D]
 
 flash-attn's [B, S, H, D] (and varlen's [T, H, D], one packed row) likewise. K/V go with the heads the
@@ -30,6 +30,7 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.context import SPContext
@@ -49,6 +50,7 @@ SDPA_SIGNATURE = inspect.signature(
     )
 )
 _SEQ_TO_HEAD = ops.seq_to_head
+_SEQ_TO_HEAD_PACKED = ops.seq_to_head_packed
 _HEAD_TO_SEQ = ops.head_to_seq
 
 
@@ -112,10 +114,8 @@ def sdpa_pass(graph: fx.Graph, node: fx.Node, ctx: SPContext, report) -> None:
         # rewrite; their check fails hard (torch 2.13) on q, k, v that arrive as the all-to-all's
         # permuted views (Note [Token-major all-to-all]). There: one copy each, next to S x S scores.
         copy = {"contiguous": True} if args["attn_mask"] is not None else {}
-        q, k, v = (
-            call(graph, _SEQ_TO_HEAD, (t, 1, 2, *ctx.ulysses_comm_args), copy)
-            for t in _in_attention_dtype(graph, node, (query, key, value), report)
-        )
+        tensors = _in_attention_dtype(graph, node, (query, key, value), report)
+        q, k, v = seq_to_head_together(graph, tensors, (1, 2), ctx.ulysses_comm_args, report, copy)
     args.update(query=q, key=k, value=v)
     node.args = (q, k, v)
     node.kwargs = {
@@ -130,7 +130,33 @@ def sdpa_pass(graph: fx.Graph, node: fx.Node, ctx: SPContext, report) -> None:
         back = call(graph, _HEAD_TO_SEQ, (attention, 1, 2, *ctx.ulysses_comm_args))
     redirect_uses(attention, back)
     report.attention.append(node.name)
-    report.all_to_alls += 4
+    report.all_to_alls += 1  # the output's; q, k and v's counted above
+
+
+def seq_to_head_together(
+    graph: fx.Graph,
+    tensors: tuple[fx.Node, ...],
+    dims: tuple[int, int],
+    comm_args: tuple,
+    report,
+    copy: dict | None = None,
+) -> tuple[fx.Node, ...]:
+    """q, k and v to the head layout in one all-to-all (Note [One all-to-all for q, k and v] in ops.py)
+    where they can share its buffer (one dtype and device, every dim but the heads alike), else one each."""
+    values = [example_value(t) for t in tensors]
+    first = values[0]
+    kept = [d for d in range(first.dim()) if d != dims[0] % first.dim()]
+    alike = all(
+        (v.dtype, v.device, v.dim()) == (first.dtype, first.device, first.dim())
+        and all(statically_known_true(v.shape[d] == first.shape[d]) for d in kept)
+        for v in values
+    )
+    if not alike:
+        report.all_to_alls += len(tensors)
+        return tuple(call(graph, _SEQ_TO_HEAD, (t, *dims, *comm_args), copy) for t in tensors)
+    report.all_to_alls += 1
+    packed = call(graph, _SEQ_TO_HEAD_PACKED, (list(tensors), *dims, *comm_args), copy)
+    return tuple(call(graph, operator.getitem, (packed, index)) for index in range(len(tensors)))
 
 
 def _in_attention_dtype(
@@ -231,10 +257,8 @@ def flash_pass(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext, report) ->
             report.replicated_kv_heads.append(f"{match.name}: {kv_heads} -> {kv_heads * repeats}")
         else:
             repeated = [key, value]
-        exchanged = {
-            original: call(graph, _SEQ_TO_HEAD, (source, *dims, *ctx.comm_args))
-            for original, source in zip((query, key, value), (query, *repeated))
-        }
+        received = seq_to_head_together(graph, (query, *repeated), dims, ctx.comm_args, report)
+        exchanged = dict(zip((query, key, value), received))
     match.node.args = fx.node.map_arg(match.node.args, lambda n: exchanged.get(n, n))
     match.node.kwargs = fx.node.map_arg(match.node.kwargs, lambda n: exchanged.get(n, n))
     set_output_value(match, example_value(exchanged[query]))
@@ -244,7 +268,7 @@ def flash_pass(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext, report) ->
         back = call(graph, _HEAD_TO_SEQ, (match.output, *dims, *ctx.comm_args))
     redirect_uses(match.output, back)
     report.attention.append(match.name)
-    report.all_to_alls += 4
+    report.all_to_alls += 1  # the output's; q, k and v's counted above
 
 
 __all__ = ["F", "SDPA_SIGNATURE", "check_sdpa", "flash_pass", "heads_error", "sdpa_heads", "sdpa_pass"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import operator
 import os
 import queue
 import threading
@@ -32,6 +33,7 @@ from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, TokenizedLl
 
 GROUP = "fake_group"
 SEQ_TO_HEAD = ops.seq_to_head
+SEQ_TO_HEAD_PACKED = ops.seq_to_head_packed
 HEAD_TO_SEQ = ops.head_to_seq
 ALL_REDUCE_SUM = ops.all_reduce_sum
 SHIFT_FROM_NEXT = torch.ops.autosp.shift_from_next.default
@@ -189,6 +191,21 @@ def traced(arguments: Any) -> Any:
 
 def nodes_with_target(gm: fx.GraphModule, target: object) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def packed_all_to_all(node: fx.Node) -> tuple[fx.Node, int]:
+    """The one all-to-all that brought ``node`` (q, k or v) to the head layout, and which of its
+    results ``node`` is (Note [One all-to-all for q, k and v])."""
+    assert node.target is operator.getitem, node.format_node()
+    packed, index = node.args
+    assert packed.target is SEQ_TO_HEAD_PACKED, packed.format_node()
+    return packed, index
+
+
+def sent_value(node: fx.Node) -> fx.Node:
+    """What this rank sent into the all-to-all that brought ``node`` (q, k or v) to the head layout."""
+    packed, index = packed_all_to_all(node)
+    return packed.args[0][index]
 
 
 def fake_propagate(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

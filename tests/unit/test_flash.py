@@ -37,6 +37,7 @@ from tests.unit.sp_graphs import (
     fake_propagate,
     fake_shape,
     nodes_with_target,
+    packed_all_to_all,
     pass_on,
     run_ranks,
     shard,
@@ -97,7 +98,7 @@ def test_flash_attn_func_gets_all_to_alls_on_heads_and_sequence(rank: int) -> No
     gm, report, inputs, shard = rewrite(module, make_batch(2, 25), 2, rank)
     applies = nodes_with_target(gm, APPLY)
     assert report.attention == [n.name for n in applies] and len(applies) == 2
-    assert report.all_to_alls == 8
+    assert report.all_to_alls == 4  # q, k and v in one; the output
     # 1 KV head over sp=2: repeated to 2 on the head dim of [B, S, H, D] before the all-to-all
     assert report.replicated_kv_heads == [f"{n.name}: 1 -> 2" for n in applies]
     assert all(
@@ -105,8 +106,9 @@ def test_flash_attn_func_gets_all_to_alls_on_heads_and_sequence(rank: int) -> No
     )
     for apply in applies:
         q, k, v = tensor_args(apply)
-        assert q.target is k.target is v.target is SEQ_TO_HEAD
-        assert q.args[1:] == (2, 1, [13, 12], rank, GROUP)  # head dim 2, sequence dim 1 (BSHD)
+        packed = [packed_all_to_all(t) for t in (q, k, v)]
+        assert packed == [(packed[0][0], index) for index in range(3)]
+        assert packed[0][0].args[1:] == (2, 1, [13, 12], rank, GROUP)  # head dim 2, sequence dim 1 (BSHD)
         (output,) = apply.users
         (back,) = output.users
         assert back.target is HEAD_TO_SEQ and back.args == (output, 2, 1, [13, 12], rank, GROUP)
@@ -125,7 +127,7 @@ def test_flash_under_no_grad_rewrites_the_op_itself() -> None:
     ops = [m.op for m in find_flash_attention(gm)]
     assert len(ops) == 2 and nodes_with_target(gm, APPLY) == []
     assert report.attention == [op.name for op in ops]
-    assert all(op.args[0].target is SEQ_TO_HEAD for op in ops)
+    assert all(packed_all_to_all(op.args[0])[1] == 0 for op in ops)
     fake_propagate(gm, inputs)
     assert all(fake_shape(op.args[0]) == (2, 24, 2, 8) for op in ops)
 
@@ -134,10 +136,11 @@ def test_flash_under_no_grad_rewrites_the_op_itself() -> None:
 def test_flash_varlen_on_one_packed_row(rank: int) -> None:
     gm, report, inputs, shard = rewrite(make_module(varlen=True), make_batch(1, 25, (7, 11, 7)), 2, rank)
     matches = find_flash_attention(gm)
-    assert len(matches) == 2 and report.all_to_alls == 8
+    assert len(matches) == 2 and report.all_to_alls == 4
     for match in matches:
         assert match.layout == "SHD"
-        assert match.operands["q"].args[1:] == (1, 0, [13, 12], rank, GROUP)  # [T, H, D]
+        packed, _ = packed_all_to_all(match.operands["q"])
+        assert packed.args[1:] == (1, 0, [13, 12], rank, GROUP)  # [T, H, D]
         # the row's cu_seqlens come from the batch as they are: not sharded, not exchanged
         assert match.operands["cu_seqlens_q"].target is not SEQ_TO_HEAD
         # max_seqlen=T was the local length; the whole row's documents can be up to S long
@@ -304,7 +307,7 @@ def test_real_flash_attn_on_gpu() -> None:
     expected = module.training_step(batch, 0)
     expected_grads = torch.autograd.grad(expected, params)
     graphs = [rewrite(module, batch, 2, rank) for rank in range(2)]
-    assert all(report.all_to_alls == 8 for _, report, *_ in graphs)
+    assert all(report.all_to_alls == 4 for _, report, *_ in graphs)
 
     def rank_fn(rank: int):
         gm, _, inputs, _ = graphs[rank]

@@ -113,6 +113,8 @@ def test_fake_shapes_for_several_ranks() -> None:
         assert tuple(heads.shape) == (2, 2, 16, 3)
         back = collectives.head_to_seq(heads, 1, 2, [6, 5, 5], 1, "no_group")
         assert tuple(back.shape) == (2, 6, 5, 3)
+        q, k = collectives.seq_to_head_packed([x, x[:, :3]], 1, 2, [6, 5, 5], 1, "no_group")
+        assert (tuple(q.shape), tuple(k.shape)) == ((2, 2, 16, 3), (2, 1, 16, 3))
         # x[:, :, 1:] plus one token of the next rank, except on the last rank
         assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 1, 3, "no_group").shape) == (2, 6, 5, 3)
         assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 2, 3, "no_group").shape) == (2, 6, 4, 3)

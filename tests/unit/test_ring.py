@@ -24,7 +24,7 @@ from lightning_autosp.strategy import AutoSPStrategy
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
 from tests.unit.sp_graphs import (
     GROUP,
-    SEQ_TO_HEAD,
+    SEQ_TO_HEAD_PACKED,
     capture,
     concrete,
     fake_propagate,
@@ -274,7 +274,7 @@ def test_attention_is_lowered_to_all_to_all_then_ring() -> None:
     assert len(rings) == len(report.ring_attention) == 2
     bounds, counts, ring_rank, group = rings[0].args[-4:]
     assert (bounds, counts, ring_rank, group) == ([0, 9, 27, 36, 9, 27], [2, 1], 0, "ring_group")
-    seq_lens, ulysses_rank, group = nodes_with_target(gm, SEQ_TO_HEAD)[0].args[-3:]
+    seq_lens, ulysses_rank, group = nodes_with_target(gm, SEQ_TO_HEAD_PACKED)[0].args[-3:]
     assert (seq_lens, ulysses_rank, group) == ([5, 5, 4, 4], 1, "ulysses_group")
     assert nodes_with_target(gm, ops.fetch_positions.default)  # the label shift crosses ranges
     assert any("positions [(5, 9), (27, 28)]" in line for line in report.positions)

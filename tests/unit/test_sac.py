@@ -141,7 +141,7 @@ def test_single_rank_sequence_parallel_step_matches_eager(gloo_group: str) -> No
     (joint,) = backend.partitioner.joints
     collectives = [n for n in forward_nodes(joint) if is_collective(n)]
     launches = [n for n in collectives if is_collective(n, waits=False)]
-    assert len(launches) == 4 * 2 + 1  # all-to-alls, plus the loss's sum and count
+    assert len(launches) == 2 * 2 + 1  # all-to-alls (q, k, v in one; the output), plus the loss
     assert len(collectives) == 2 * len(launches)  # each functional collective and its wait
     tags = _tagged(joint)
     assert all(tags[n] is CheckpointPolicy.MUST_SAVE for n in collectives)
@@ -196,7 +196,7 @@ def test_sac_never_reruns_a_collective_in_backward(gloo_group: str) -> None:
         _step(module, backend, ids)
         (report,) = backend.sac_reports
         counts[sac] = report.backward_collectives
-    assert counts[True] == counts[False] == 4 * 2 + 1  # one per forward all-to-all, plus the loss
+    assert counts[True] == counts[False] == 2 * 2 + 1  # one per forward all-to-all, plus the loss
 
 
 @pytest.mark.slow

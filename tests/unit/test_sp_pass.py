@@ -31,6 +31,7 @@ from tests.unit.sp_graphs import (
     HEAD_TO_SEQ,
     MODULES,
     SEQ_TO_HEAD,
+    SEQ_TO_HEAD_PACKED,
     SHIFT_FROM_NEXT,
     ancestors,
     capture,
@@ -39,8 +40,10 @@ from tests.unit.sp_graphs import (
     global_batch,
     module,
     nodes_with_target,
+    packed_all_to_all,
     pass_on,
     rewritten_step,
+    sent_value,
     simulate_step,
     single_device,
     traced,
@@ -82,7 +85,8 @@ def find_attention(gm: fx.GraphModule) -> list[Attention]:
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_attention_gets_four_all_to_alls(kind: str, rank: int) -> None:
+def test_every_attention_gets_two_all_to_alls(kind: str, rank: int) -> None:
+    """One for q, k and v together (Note [One all-to-all for q, k and v]), one for the output."""
     heads, head_dim = MODULES[kind][1:]
     rewritten = rewritten_step(kind, 24, 2, rank)
     gm, report = rewritten.gm, rewritten.report
@@ -90,15 +94,18 @@ def test_every_attention_gets_four_all_to_alls(kind: str, rank: int) -> None:
     attention = find_attention(gm)
     assert len(attention) == 2  # two layers
     assert report.attention == [m.node.name for m in attention]
-    assert report.all_to_alls == 4 * len(attention)
-    assert len(nodes_with_target(gm, SEQ_TO_HEAD)) == 3 * len(attention)
+    assert report.all_to_alls == 2 * len(attention)
+    assert nodes_with_target(gm, SEQ_TO_HEAD) == []
+    assert len(nodes_with_target(gm, SEQ_TO_HEAD_PACKED)) == len(attention)
     assert len(nodes_with_target(gm, HEAD_TO_SEQ)) == len(attention)
 
     for match in attention:
-        for operand in (match.query, match.key, match.value):
-            assert operand.target is SEQ_TO_HEAD
-            assert traced(operand.args[1:]) == (1, 2, [12, 12], rank, GROUP)  # BHSD, seq_lens, rank, group
-            in_heads = operand.args[0].meta["example_value"].shape[1]
+        operands = (match.query, match.key, match.value)
+        (packed, _), *others = [packed_all_to_all(operand) for operand in operands]
+        assert [other for other, _ in others] == [packed, packed]
+        assert traced(packed.args[1:]) == (1, 2, [12, 12], rank, GROUP)  # BHSD, seq_lens, rank, group
+        for sent, operand in zip(packed.args[0], operands):
+            in_heads = sent.meta["example_value"].shape[1]
             assert tuple(operand.meta["example_value"].shape) == (B, in_heads // 2, 24, head_dim)
         (back,) = match.node.users
         assert back.target is HEAD_TO_SEQ
@@ -151,7 +158,9 @@ def test_gqa_kv_heads(kind: str, gqa: bool, repeated: bool) -> None:
     assert all(m.node.kwargs["enable_gqa"] is True for m in attention)
     undone = [line for line in report.replicated_kv_heads if "paired by enable_gqa" in line]
     assert len(undone) == (0 if gqa else len(attention))
-    for sent in [match.key.args[0] for match in attention] + [match.value.args[0] for match in attention]:
+    for sent in [sent_value(match.key) for match in attention] + [
+        sent_value(match.value) for match in attention
+    ]:
         source = sent.args[0] if sent.target is torch.repeat_interleave else sent
         assert not (source.target == "reshape" and source.args[0].target == "expand")  # no repeat_kv left
     repeats = nodes_with_target(gm, torch.repeat_interleave)
@@ -160,9 +169,9 @@ def test_gqa_kv_heads(kind: str, gqa: bool, repeated: bool) -> None:
         assert len(repeats) == 2 * len(attention)
         assert all(n.args[1] == 2 and n.kwargs == {"dim": 1} for n in repeats)
         for match in attention:
-            assert match.key.args[0].target is torch.repeat_interleave
-            assert match.value.args[0].target is torch.repeat_interleave
-            assert match.query.args[0].target is not torch.repeat_interleave
+            assert sent_value(match.key).target is torch.repeat_interleave
+            assert sent_value(match.value).target is torch.repeat_interleave
+            assert sent_value(match.query).target is not torch.repeat_interleave
         assert len(replicated) == len(attention)
         assert all(line.endswith("1 -> 2") for line in replicated)
     else:
@@ -545,7 +554,7 @@ def test_q_and_k_cross_the_all_to_all_in_autocasts_dtype() -> None:
     captured = capture(autocast_step, batch)
     context = SPContext(sequence_shard, GROUP)
     gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, context, tags)
-    inputs = [n.args[0] for n in nodes_with_target(gm, SEQ_TO_HEAD)]
+    inputs = [t for n in nodes_with_target(gm, SEQ_TO_HEAD_PACKED) for t in n.args[0]]
     assert len(inputs) == 6
     assert {example_value(n).dtype for n in inputs} == {torch.bfloat16}
     assert len(report.casts) == 4 and all(line.endswith("float32 -> torch.bfloat16") for line in report.casts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_autosp.compiler.ops import head_to_seq, seq_to_head, shift_from_next
+from lightning_autosp.compiler.ops import head_to_seq, seq_to_head, seq_to_head_packed, shift_from_next
 from lightning_autosp.data import SequenceShard
 from tests.unit.sp_graphs import ALL_REDUCE_SUM, global_batch, module, rewritten_step, run_ranks
 
@@ -56,6 +56,33 @@ def test_all_to_all_across_uneven_shards(layout: str, global_len: int, world: in
         expected = weights.narrow(seq_dim, shard.offset, shard.local_len)
         torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
     assert all(calls == comm.calls[0] for calls in comm.calls)
+
+
+@pytest.mark.parametrize(("global_len", "world"), [(7, 3), (8, 2)])
+def test_q_k_and_v_in_one_all_to_all_are_what_three_would_be(global_len: int, world: int) -> None:
+    """Note [One all-to-all for q, k and v]: the packed exchange gives each tensor, and each gradient,
+    exactly what its own all-to-all gives (GQA head counts, uneven shards), in one collective."""
+    heads = {"q": 2 * world, "k": world, "v": world}
+    full = {name: torch.randn(2, count, global_len, 3) for name, count in heads.items()}
+    weights = {name: torch.randn(2, count // world, global_len, 3) for name, count in heads.items()}
+    parts = shards(global_len, world)
+
+    def rank_fn(rank: int, packed: bool):
+        shard = parts[rank]
+        xs = [t.narrow(2, shard.offset, shard.local_len).clone().requires_grad_() for t in full.values()]
+        args = (1, 2, list(shard.seq_lens), rank, "sim")
+        outs = seq_to_head_packed(xs, *args) if packed else [seq_to_head(x, *args) for x in xs]
+        sum((out * w).sum() for out, w in zip(outs, weights.values())).backward()
+        return [out.detach() for out in outs], [x.grad for x in xs]
+
+    together, comm_together = run_ranks(world, lambda rank: rank_fn(rank, True))
+    apart, comm_apart = run_ranks(world, lambda rank: rank_fn(rank, False))
+    for (outs, grads), (expected_outs, expected_grads) in zip(together, apart):
+        for got, expected in zip(outs + grads, expected_outs + expected_grads):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # forward and backward: one all-to-all each instead of three
+    assert [len(calls) for calls in comm_together.calls] == [2] * world
+    assert [len(calls) for calls in comm_apart.calls] == [6] * world
 
 
 @pytest.mark.parametrize(("global_len", "world", "shift"), [(8, 3, 1), (8, 3, 2), (9, 2, 1), (5, 4, 1)])
