@@ -479,13 +479,14 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         cast_gathers = cast_before_parameter_gathers(gm)
         self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        # What SAC chose, before tiling rewrites the recomputed ops into per-tile copies.
+        report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
         tilings = []
         if self.mode != "off" and self.tile_bytes is not None:
             tilings = [tile_rows_pass(g, min_bytes=self.tile_bytes) for g in (forward, backward)]
         for graph_module, is_backward in ((forward, False), (backward, True)):  # Note [Collective order]
             order_collectives(graph_module.graph, backward=is_backward)
             graph_module.recompile()
-        report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
         report.gathers_in_compute_dtype = cast_gathers
         report.attention_outputs_by_row_sums = by_row_sums
         report.tiled_regions = sum(t.regions for t in tilings)

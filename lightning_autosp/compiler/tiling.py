@@ -26,8 +26,9 @@ Note [Row tiling]
     what gets tiled, never a result. A region is a connected group of such ops. One that reaches itself
     again through an op outside it (the attention between two halves of a block) cannot run as one unit,
     so it is cut there and the ops after the cut form regions of their own. A region is tiled when its
-    widest inner value (used only inside it) is at least ``min_bytes`` and at least twice what it hands
-    on; the number of tiles brings its inner values down to the width of its inputs and outputs.
+    widest inner value (used only inside it) is at least ``min_bytes`` and as wide as the widest value
+    it takes in or hands on (those are whole, tiled or not); the number of tiles brings its inner values
+    down to half the width of its inputs and outputs.
 
     Sums over rows are added tile by tile in float32 when the op computes in a narrower dtype, so a
     bfloat16 weight gradient is rounded once, as without tiling.
@@ -266,7 +267,9 @@ def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int,
     row_outputs = [o for o in region.outputs if isinstance(layouts[o], Rows)]  # sums over rows: weights' size
     boundary = max(node_bytes(n) for n in [*row_inputs, *row_outputs])
     region.inner_bytes = max((node_bytes(n) for n in inner), default=0)
-    if not row_inputs or region.inner_bytes < max(min_bytes, 2 * boundary, 1):
+    # The edges are whole, tiled or not; tiles shrink the inner values, so any as wide as the widest edge
+    # are worth halving (q, k and v cross the all-to-all packed: [S, 3h] beside a [S, 4h] MLP).
+    if not row_inputs or region.inner_bytes < max(min_bytes, boundary, 1):
         return 1
     rebuilt = {_storage(o, inside) for o in row_outputs}
     if any(_stride_order(value_of(root)) is None for root in rebuilt):
