@@ -26,9 +26,9 @@ Note [Row tiling]
     what gets tiled, never a result. A region is a connected group of such ops. One that reaches itself
     again through an op outside it (the attention between two halves of a block) cannot run as one unit,
     so it is cut there and the ops after the cut form regions of their own. A region is tiled when its
-    widest inner value (used only inside it) is at least ``min_bytes`` and as wide as the widest value
-    it takes in or hands on (those are whole, tiled or not); the number of tiles brings its inner values
-    down to half the width of its inputs and outputs.
+    widest inner value (used only inside it) is at least ``min_bytes`` and wider than any value it takes
+    in or hands on (those are whole, tiled or not), or as wide and not the only one; the number of tiles
+    brings its inner values down to half the width of its inputs and outputs.
 
     Sums over rows are added tile by tile in float32 when the op computes in a narrower dtype, so a
     bfloat16 weight gradient is rounded once, as without tiling.
@@ -266,10 +266,17 @@ def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int,
     row_inputs = [a for a in inputs if isinstance(layouts[a], Rows)]
     row_outputs = [o for o in region.outputs if isinstance(layouts[o], Rows)]  # sums over rows: weights' size
     boundary = max(node_bytes(n) for n in [*row_inputs, *row_outputs])
-    region.inner_bytes = max((node_bytes(n) for n in inner), default=0)
-    # The edges are whole, tiled or not; tiles shrink the inner values, so any as wide as the widest edge
-    # are worth halving (q, k and v cross the all-to-all packed: [S, 3h] beside a [S, 4h] MLP).
-    if not row_inputs or region.inner_bytes < max(min_bytes, boundary, 1):
+    widths = [node_bytes(n) for n in inner]
+    region.inner_bytes = max(widths, default=0)
+    # The edges are whole, tiled or not; tiles shrink the inner values. Worth it where they are wider
+    # than every edge, or as wide and several (q, k and v cross the all-to-all packed: [S, 3h] beside
+    # a [S, 4h] MLP; [S, 2h] beside a Llama's gate and up at 2h), not for one value of an edge's width.
+    wide = sum(width >= boundary for width in widths)
+    if (
+        not row_inputs
+        or region.inner_bytes < max(min_bytes, 1)
+        or wide < (1 if region.inner_bytes > boundary else 2)
+    ):
         return 1
     rebuilt = {_storage(o, inside) for o in row_outputs}
     if any(_stride_order(value_of(root)) is None for root in rebuilt):
