@@ -159,14 +159,8 @@ def seq_to_head(
     head group r of every rank's tokens (Note [Token-major all-to-all]): a view of what arrived, or
     with ``contiguous`` a contiguous copy of it.
     """
-    world = len(seq_lens)
-    front = _seq_front(x, head_dim, seq_dim)  # [S_r, H, R]
-    local, heads, rest = front.shape[0], front.shape[1] // world, front.shape[2]
-    # [P * S_r, H/P, R]: for each rank j in turn, head group j of this rank's tokens
-    send = front.reshape(local, world, heads, rest).transpose(0, 1).reshape(world * local, heads, rest)
-    received = _all_to_all(send, list(seq_lens), [local] * world, group_name)  # [S, H/P, R], rank order
-    heads_layout = _from_seq_front(received, list(x.shape), head_dim, seq_dim)
-    return heads_layout.contiguous() if contiguous else heads_layout
+    (heads_layout,) = seq_to_head_packed([x], head_dim, seq_dim, seq_lens, rank, group_name, contiguous)
+    return heads_layout
 
 
 def seq_to_head_packed(
@@ -181,19 +175,20 @@ def seq_to_head_packed(
     """``seq_to_head`` of several tensors (attention's q, k and v) in one all-to-all (Note [One
     all-to-all for q, k and v]): each result as ``seq_to_head`` would return it.
 
-    They must share dtype, device and every dim but the head count.
+    They must share dtype, device and every dim but the head count. One tensor is ``seq_to_head``.
     """
     world = len(seq_lens)
     fronts = [_seq_front(x, head_dim, seq_dim) for x in xs]  # [S_r, H_i, R] each
     local, rest = fronts[0].shape[0], fronts[0].shape[2]
     # [S_r, P, H_all/P, R]: for destination j, head group j of each tensor in turn
-    blocks = torch.cat([front.reshape(local, world, -1, rest) for front in fronts], dim=2)
+    groups = [front.reshape(local, world, -1, rest) for front in fronts]
+    blocks = groups[0] if len(groups) == 1 else torch.cat(groups, dim=2)
     send = blocks.transpose(0, 1).reshape(world * local, blocks.shape[2], rest)  # [P * S_r, H_all/P, R]
-    received = _all_to_all(send, list(seq_lens), [local] * world, group_name)  # [S, H_all/P, R]
+    received = _all_to_all(send, list(seq_lens), [local] * world, group_name)  # [S, H_all/P, R], rank order
     results, start = [], 0
     for x, front in zip(xs, fronts):
         heads = front.shape[1] // world
-        piece = received.narrow(1, start, heads)
+        piece = received if len(xs) == 1 else received.narrow(1, start, heads)
         start += heads
         heads_layout = _from_seq_front(piece, list(x.shape), head_dim, seq_dim)
         results.append(heads_layout.contiguous() if contiguous else heads_layout)
