@@ -16,7 +16,8 @@ compile unchanged. The hand-written baselines need the edits a user would make b
   targets shifted before sharding, summed and divided by the global number of targets (so summing the
   ranks' gradients gives the single-device gradient);
 * ``attention="ulysses"``: DeepSpeed's ``DistributedAttention`` (all-to-all around a local causal SDPA)
-  in every attention layer;
+  in every attention layer; K/V heads fewer than the ranks are repeated to one per rank first, as
+  DeepSpeed's HF Ulysses (ALST's ``UlyssesSPAttentionHF``) does;
 * ``attention="ring"``: a plain causal SDPA without mask, K/V repeated to every head (what
   ``context_parallel`` intercepts);
 * ``attention="causal"``: a causal SDPA without mask for the full-sequence baseline. Under
@@ -152,7 +153,14 @@ class UlyssesSelfAttention(nn.Module):
 
 
 def _hf_ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
-    """HF attention interface: [B, H, S/P, D] in, [B, S/P, H, D] out, via ``module.distributed_attention``."""
+    """HF attention interface: [B, H, S/P, D] in, [B, S/P, H, D] out, via ``module.distributed_attention``.
+
+    With fewer K/V heads than ranks, each is repeated ``module.kv_replication`` times first (one per rank
+    of its query heads), as DeepSpeed's own HF Ulysses (``UlyssesSPAttentionHF``) does; the repeat's
+    backward sums the copies' gradients.
+    """
+    if module.kv_replication > 1:
+        key, value = (t.repeat_interleave(module.kv_replication, dim=1) for t in (key, value))
     out = module.distributed_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0)
     return out, None
 
@@ -236,10 +244,14 @@ def build(spec: ModelSpec, attention: Attention = "sdpa", group: Any = None) -> 
     if attention == "ulysses":
         from deepspeed.sequence.layer import DistributedAttention
 
+        world = torch.distributed.get_world_size(group)
+        if spec.kv_heads % world and world % spec.kv_heads:
+            raise ValueError(f"Ulysses: {spec.kv_heads} K/V heads, {world} ranks: neither divides the other")
         for layer in model.model.layers:
             layer.self_attn.distributed_attention = DistributedAttention(
                 causal_sdpa_bshd, group, scatter_idx=2, gather_idx=1
             )
+            layer.self_attn.kv_replication = max(1, world // spec.kv_heads)
     return model
 
 
