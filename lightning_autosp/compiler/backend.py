@@ -12,7 +12,7 @@ from functorch.compile import make_boxed_func
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_autosp.compiler import symbols
@@ -152,9 +152,11 @@ class AutoSPBackend:
                 "custom_partitioner_fn": self.partitioner,
                 "post_grad_custom_post_pass": CollectiveOrder(),
             }
+            # Note [Buffer reuse in a rebuilding backward]
+            inner = compile_fx_inner if self.partitioner.mode == "off" else _backward_without_buffer_reuse
             # Note [SAC reports and the compile caches]
             with torch._functorch.config.patch(enable_autograd_cache=False):
-                compiled = compile_fx(gm, example_inputs, config_patches=patches)
+                compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         else:
             compiled = aot_autograd(
                 fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
@@ -221,6 +223,29 @@ def tagging_outputs(
 
     run._boxed_call = boxed  # Dynamo passes a boxed function its inputs as one list
     return run
+
+
+def _backward_without_buffer_reuse(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's ``compile_fx_inner``, without buffer reuse when it compiles a backward graph."""
+    if not kwargs.get("is_backward", False):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+    with torch._inductor.config.patch(allow_buffer_reuse=False):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+# Note [Buffer reuse in a rebuilding backward]
+# Inductor's wrapper lets a buffer it frees wait for a later buffer of the same size, which then takes
+# its memory instead of allocating, when its estimate of the graph's peak says that holding the freed
+# buffer until then costs nothing. The estimate counts Inductor's own buffers, not what an extern kernel
+# allocates inside itself: attention's backward allocates its zero-filled gradients, a contiguous copy of
+# dO and a workspace. With SAC, backward runs each layer as: rebuild the MLP, its backward, attention's
+# backward, then the layer below's rebuild, whose [S/P, 4h] values would take the MLP buffers freed above.
+# So those buffers stay held through attention's backward, which is where the step's peak is. With SAC on,
+# backward therefore frees every buffer at its last use (the forward, whose peak is not the step's, keeps
+# reuse). Without SAC the peak is where backward starts, among the saved activations, and reuse lowers it
+# there (the 8-layer Llama at 2048 tokens on 2 ranks: 62.7 MiB with it, 64.3 without), so it stays on.
+# With SAC, same model, fp32: 4 ranks 18.9 -> 15.7 MiB (highest rank and step), 2 ranks 24.7 -> 23.2;
+# bf16-mixed on 2 ranks at 4352 tokens 32.3 -> 30.5 MiB; step times unchanged within their spread.
 
 
 # Note [SAC reports and the compile caches]

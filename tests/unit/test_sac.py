@@ -226,3 +226,31 @@ def test_saving_block_inputs_bounds_backward_peak_memory(family: str) -> None:
     assert reports[True].saved_bytes < reports[False].saved_bytes / 2
     assert peaks[True] < 0.6 * peaks[False], peaks
     print(f"{family}: peak with SAC {peaks[True] / peaks[False]:.2f}x of without")
+
+
+@pytest.mark.inductor
+def test_a_rebuilding_backward_frees_each_buffer_at_its_last_use() -> None:
+    """Note [Buffer reuse in a rebuilding backward]: with SAC, Inductor compiles the backward graph
+    without buffer reuse, and only that graph; without SAC both graphs keep it."""
+    from torch._inductor import config as inductor_config
+
+    reuse_seen: list[bool] = []
+
+    def record(graph: fx.Graph) -> None:  # runs inside each graph's Inductor compile
+        reuse_seen.append(inductor_config.allow_buffer_reuse)
+
+    torch.manual_seed(0)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+        for _ in range(3)
+    ]
+    model, x = torch.nn.Sequential(*blocks), torch.randn(32, 16)
+    seen = {}
+    for sac in (True, False):
+        torch._dynamo.reset()
+        reuse_seen.clear()
+        step = torch.compile(model, backend=AutoSPBackend(None, compiler="inductor", sac=sac), dynamic=False)
+        with inductor_config.patch(post_grad_custom_pre_pass=record, fx_graph_cache=False):
+            step(x).sum().backward()
+        seen[sac] = list(reuse_seen)
+    assert seen == {True: [True, False], False: [True, True]}, seen
