@@ -52,7 +52,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--methods", nargs=2, default=["sp", "ulysses"], help="exactly two: ours, baseline")
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="of the parameters"
+    )
+    parser.add_argument(
+        "--autocast", choices=("none", "bfloat16"), default="none", help="bfloat16: bf16-mixed"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="profiled rounds per method, alternated")
     parser.add_argument("--steps", type=int, default=2, help="steps per profiled round")
     parser.add_argument("--top", type=int, default=25, help="rows of the table")
@@ -96,8 +101,9 @@ def worker_main(args: argparse.Namespace) -> None:
     torch._inductor.config.compile_threads = 1
     torch._inductor.config.cpp.enable_kernel_profile = True
     rank, world = dist.get_rank(), dist.get_world_size()
+    autocast = None if args.autocast == "none" else getattr(torch, args.autocast)
     ctx = RunContext(
-        rank, world, dist.group.WORLD, torch.device("cpu"), "inductor", getattr(torch, args.dtype)
+        rank, world, dist.group.WORLD, torch.device("cpu"), "inductor", getattr(torch, args.dtype), autocast
     )
     start = time.monotonic()
     results: dict[str, dict] = {}
@@ -108,7 +114,7 @@ def worker_main(args: argparse.Namespace) -> None:
         prepared = {}
         for name in args.methods:
             method = METHODS[name](spec, ctx)
-            prepared[name] = (method, method.prepare(ids))
+            prepared[name] = (method, method.prepare(ids).under_autocast(ctx.device, ctx.autocast))
             for _ in range(2):  # compile, then one warm step
                 method.model.zero_grad(set_to_none=True)
                 prepared[name][1].step()
@@ -170,7 +176,8 @@ def render_markdown(report: dict) -> str:
         f"# One step, kernel by kernel: {_LABELS.get(a, a)} against {_LABELS.get(b, b)}",
         "",
         f"`{report['command']}`; {settings['nproc']} ranks (gloo, CPU, {settings['threads']} thread each), "
-        f"{settings['layers']} layers, {settings['seq_len']} tokens, batch 1, {settings['dtype']}, Inductor; "
+        f"{settings['layers']} layers, {settings['seq_len']} tokens, batch 1, {settings['dtype']}"
+        f"{' under bf16 autocast' if settings.get('autocast', 'none') != 'none' else ''}, Inductor; "
         f"{settings['rounds']} rounds x {settings['steps']} steps per method, alternated; code "
         f"{report['code']['commit'][:10]}"
         f"{' (uncommitted changes)' if report['code']['lightning_autosp_uncommitted_changes'] else ''}.",
