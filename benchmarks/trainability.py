@@ -3,6 +3,7 @@
     python -m benchmarks.trainability                       # the CPU grid (CONFIGS), one launch each
     python -m benchmarks.trainability --configs sp2-fp32    # some of it; other options go to benchmarks.run
     python -m benchmarks.report trainability --readme       # the README table, from the JSON alone
+    python -m benchmarks.trainability --configs sp4-fp32 --models llama-tiny   # one model's rows again
 
 Each configuration is one side-by-side launch of ``benchmarks.run --suite trainability`` (8-layer tiny GPT
 and Llama; this project with and without SAC, hand-written Ulysses, DDP and DeepSpeed's AutoSP; every
@@ -11,6 +12,11 @@ method on the same ranks, batch and per-rank budget), written to ``benchmarks/re
 and ``trainability.md`` (the tables and the issue's targets). Lengths are found by ``benchmarks.run``'s
 budget search on measured allocator peaks; step times are the median of per-round ratios with the
 methods alternating (``paired_ratio_vs_ulysses``, ``paired_ratio_vs_sp``).
+
+A model is the unit of a row's evidence: every figure of a row compares methods of one model measured in one
+launch. So a launch may rerun some models of a configuration (``--models``, or a ``--deadline-s`` that
+stopped before the rest): the models it measured replace their rows, the others keep theirs, and the
+configuration lists each part's models, command and commit (``merge_parts``).
 
 On a machine with CUDA GPUs (``benchmarks/gpu_check.sh``: ``--out FILE``, more via ``TRAIN_ARGS``) the
 same configurations run with ``--device cuda``, those needing more GPUs than there are being skipped.
@@ -69,7 +75,10 @@ def run_config(name: str, extra: list[str], out_dir: Path) -> dict:
     ranks = int(args[args.index("--nproc") + 1])
     if "cuda" in args and ranks > gpus:
         return {"skipped": f"needs {ranks} GPUs, {gpus} found"}
-    out = out_dir / f"{name}.json"
+    models = extra[extra.index("--models") + 1 :] if "--models" in extra else []
+    models = models[: next((i for i, a in enumerate(models) if a.startswith("--")), len(models))]
+    # a launch of some models keeps the launches of the others (each part's own file)
+    out = out_dir / (f"{name}.{'.'.join(models)}.json" if models else f"{name}.json")
     shown = out.relative_to(ROOT) if out.is_absolute() and out.is_relative_to(ROOT) else out
     command = [sys.executable, "-m", "benchmarks.run", *args, "--out", str(shown)]
     print(f"== {name}: {shlex.join(command[1:])}", flush=True)
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     configs = dict(previous.get("configs", {}))  # configurations not rerun keep their results
     for name in args.configs:
-        configs[name] = run_config(name, extra, out_dir)
+        configs[name] = merge_parts(configs.get(name), run_config(name, extra, out_dir))
     report = {
         "kind": "trainability",
         "command": shlex.join(
@@ -106,6 +115,50 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(report, args.out)
     print(args.out.with_suffix(".md").read_text())
     return 0 if all("failed" not in c for c in report["configs"].values()) else 1
+
+
+def measured_models(run: dict) -> list[str]:
+    """The models a launch measured: a row with a peak, a step time or a failure (not one it skipped)."""
+    return [
+        model
+        for model in run.get("models", {})
+        if any(
+            s["model"] == model and (s.get("peak_bytes") or s.get("status") == "failed")
+            for s in run.get("summary", [])
+        )
+    ]
+
+
+def _part(run: dict, models: list[str]) -> dict:
+    keys = ("command", "code", "wall_s_worker")
+    return {"models": models, **{key: run.get(key) for key in keys}}
+
+
+def merge_parts(previous: dict | None, new: dict) -> dict:
+    """A configuration after ``new``'s launch: the models it measured take its rows, the rest keep theirs.
+
+    Refused when the two launches differ in what makes rows comparable (ranks, budget, precision, lengths).
+    """
+    if not previous or "summary" not in previous or "summary" not in new:
+        return new
+    same = ("nproc", "budget_mib", "dtype", "autocast", "headline_len", "compiler", "layers", "batch_size")
+    differs = [k for k in same if previous["settings"].get(k) != new["settings"].get(k)]
+    if differs:
+        raise SystemExit(f"cannot merge a launch with other {', '.join(differs)} into this configuration")
+    rerun = measured_models(new)
+    parts = previous.get("parts") or [_part(previous, measured_models(previous))]
+    kept = [{**p, "models": [m for m in p["models"] if m not in rerun]} for p in parts]
+    order = list({**previous.get("models", {}), **new.get("models", {})})
+    rows = [s for s in previous["summary"] if s["model"] not in rerun]
+    rows += [s for s in new["summary"] if s["model"] in rerun]
+    rows.sort(key=lambda s: order.index(s["model"]))  # stable: methods keep their order
+    merged = {key: value for key, value in new.items() if key != "per_rank"}  # per-rank data: see the parts
+    merged.update(
+        models={**previous.get("models", {}), **new.get("models", {})},
+        summary=rows,
+        parts=[p for p in kept if p["models"]] + [_part(new, rerun)],
+    )
+    return merged
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,7 +310,11 @@ def settings_line(report: dict) -> str:
         for name, spec in runs[0]["models"].items()
     )
     codes = ", ".join(
-        f"{config} {((run.get('code') or {}).get('commit') or '?')[:10]}"
+        f"{config} "
+        + ", ".join(
+            f"{_commit(part)}" + (f" ({' '.join(part['models'])})" if "parts" in run else "")
+            for part in run.get("parts") or [run]
+        )
         for config, run in report["configs"].items()
         if "settings" in run
     )
@@ -267,9 +324,13 @@ def settings_line(report: dict) -> str:
         f"compiler `{st['compiler']}`, {st['threads']} torch thread(s) per rank, step times at "
         f"{st['headline_len']} tokens ({st['repeats']} rounds). Models: {models}. "
         f"{m['cpu_count']} CPUs, torch {m['torch']}, DeepSpeed {m.get('deepspeed')}; "
-        f"code per configuration: {codes} (`benchmarks/results/trainability/<config>.json` has each one's "
-        "command)."
+        f"code per configuration (per model where it was rerun in parts): {codes} "
+        "(`benchmarks/results/trainability/<config>[.<models>].json` has each launch's command)."
     )
+
+
+def _commit(part: dict) -> str:
+    return ((part.get("code") or {}).get("commit") or "?")[:10]
 
 
 def render_markdown(report: dict) -> str:
@@ -302,8 +363,11 @@ def commands(report: dict) -> list[str]:
         if run is None:
             lines.append(f"- {config}: not run")
         elif "command" in run:
-            wall = run.get("wall_s_worker")
-            lines.append(f"- {config}: `{run['command']}`" + ("" if wall is None else f" ({wall:.0f} s)"))
+            for part in run.get("parts") or [run]:
+                wall, models = part.get("wall_s_worker"), part.get("models")
+                which = f" ({', '.join(models)})" if "parts" in run else ""
+                took = "" if wall is None else f" ({wall:.0f} s)"
+                lines.append(f"- {config}{which}: `{part['command']}`{took}")
         else:
             lines.append(f"- {config}: {next(iter(run.values()))}")
     return lines

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import trainability
 from benchmarks.common import RESULTS
 
@@ -37,3 +39,55 @@ def test_a_method_the_deadline_never_prepared_reports_no_graph_facts() -> None:
     method = OursSP.__new__(OursSP)  # no model built: only what graph_facts reads
     method.backends = []
     assert method.graph_facts() == {}
+
+
+def _launch(commit: str, measured: list[str], budget: float = 32.0) -> dict:
+    models = ["gpt-tiny", "llama-tiny"]
+    rows = [
+        {
+            "model": m,
+            "method": method,
+            "status": "ok",
+            **({"peak_bytes": {"2048": 1.0}} if m in measured else {}),
+        }
+        for m in models
+        for method in ("sac", "ulysses")
+    ]
+    settings = {"nproc": 4, "budget_mib": budget, "headline_len": 2048}
+    return {
+        "command": f"run at {commit}",
+        "code": {"commit": commit},
+        "settings": settings,
+        "models": dict.fromkeys(models, {}),
+        "summary": rows,
+        "per_rank": [],
+    }
+
+
+def test_a_launch_of_some_models_replaces_only_their_rows() -> None:
+    first = _launch("aaaa", ["gpt-tiny", "llama-tiny"])
+    merged = trainability.merge_parts(first, _launch("bbbb", ["llama-tiny"]))  # gpt-tiny skipped
+    commits = {(s["model"], s["method"]): s for s in merged["summary"]}
+    assert [(s["model"], s["method"]) for s in merged["summary"]] == [
+        ("gpt-tiny", "sac"),
+        ("gpt-tiny", "ulysses"),
+        ("llama-tiny", "sac"),
+        ("llama-tiny", "ulysses"),
+    ]
+    assert commits["gpt-tiny", "sac"] is first["summary"][0]  # kept, not re-measured
+    assert [(p["models"], p["code"]["commit"]) for p in merged["parts"]] == [
+        (["gpt-tiny"], "aaaa"),
+        (["llama-tiny"], "bbbb"),
+    ]
+    again = trainability.merge_parts(merged, _launch("cccc", ["gpt-tiny"]))
+    assert [(p["models"], p["code"]["commit"]) for p in again["parts"]] == [
+        (["llama-tiny"], "bbbb"),
+        (["gpt-tiny"], "cccc"),
+    ]
+    lines = trainability.commands({"configs": {"sp4-fp32": again}})
+    assert lines[2:4] == ["- sp4-fp32 (llama-tiny): `run at bbbb`", "- sp4-fp32 (gpt-tiny): `run at cccc`"]
+
+
+def test_a_launch_with_another_budget_is_not_merged() -> None:
+    with pytest.raises(SystemExit, match="budget_mib"):
+        trainability.merge_parts(_launch("aaaa", ["gpt-tiny"]), _launch("bbbb", ["gpt-tiny"], budget=16.0))
