@@ -122,12 +122,18 @@ def test_length_search_brackets_the_budget() -> None:
     peaks = {1024: 10.0, 2048: 20.0, 4096: 40.0}  # linear: 30 fits 3072
     assert next_candidate(peaks, 30.0, 128, 0.1, None) == 3072
     assert next_candidate({**peaks, 3072: 30.0}, 30.0, 128, 0.1, None) == 3200  # the next step up
-    assert next_candidate(peaks, 100.0, 128, 0.1, None) == 10240  # extrapolated up (at most 4x)
+    assert next_candidate(peaks, 100.0, 128, 0.1, None) == 9728  # extrapolated up to 95 (at most 4x)
+    assert next_candidate(peaks, 200.0, 128, 0.1, None) == 16384  # at most 4x
     assert next_candidate(peaks, 100.0, 128, 0.1, 8192) == 8192  # the model's position limit
     assert next_candidate({**peaks, 8192: 80.0}, 100.0, 128, 0.1, 8192) is None
     assert next_candidate(peaks, 5.0, 128, 0.1, None) == 512  # extrapolated down
     assert next_candidate({1024: 10.0, 1100: 12.0}, 11.0, 128, 0.1, None) is None  # bracket within 10%
     assert next_candidate({512: 5.0, 640: 7.0}, 6.0, 128, 0.5, None) is None  # one granularity step apart
+    # GPT, 8 layers, sp=4, 32 MiB (measured): 2048 and 4096 tokens fit; 5120 peaked at 33.7 MB, over. Aimed at
+    # the budget, the line through the two led there; aimed half the tolerance short, to a length that fits.
+    measured = {2048: 14_740_488.0, 4096: 26_392_240.0}
+    assert next_candidate(measured, 32 * 2**20, 256, 0.1, None) == 4864
+    assert next_candidate(measured, 32 * 2**20, 256, 0.0, None) == 5120
 
 
 def test_ring_kernel_check_runs_its_gpu_code_path_on_the_cpu(tmp_path: Path) -> None:
