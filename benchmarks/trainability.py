@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measured_models(run: dict) -> list[str]:
-    """The models a launch measured: a row with a peak, a step time or a failure (not one it skipped)."""
+    """The models a launch measured: a row with a peak or a failure (not a model the deadline skipped)."""
     return [
         model
         for model in run.get("models", {})
@@ -148,13 +148,13 @@ def merge_parts(previous: dict | None, new: dict) -> dict:
     rerun = measured_models(new)
     parts = previous.get("parts") or [_part(previous, measured_models(previous))]
     kept = [{**p, "models": [m for m in p["models"] if m not in rerun]} for p in parts]
-    order = list({**previous.get("models", {}), **new.get("models", {})})
+    models = {**previous.get("models", {}), **new.get("models", {})}
     rows = [s for s in previous["summary"] if s["model"] not in rerun]
     rows += [s for s in new["summary"] if s["model"] in rerun]
-    rows.sort(key=lambda s: order.index(s["model"]))  # stable: methods keep their order
+    rows.sort(key=lambda s: list(models).index(s["model"]))  # stable: methods keep their order
     merged = {key: value for key, value in new.items() if key != "per_rank"}  # per-rank data: see the parts
     merged.update(
-        models={**previous.get("models", {}), **new.get("models", {})},
+        models=models,
         summary=rows,
         parts=[p for p in kept if p["models"]] + [_part(new, rerun)],
     )
