@@ -146,7 +146,7 @@ class CompiledSteps:
                 )
             skipped, frames_before = frames_not_compiled(), counters["frames"]["ok"]
             breaks_before = collections.Counter(counters["unimplemented"])
-            with _logging_left_out(), _recompiles_limited(len(compiled)):
+            with _tracing_settings(), _recompiles_limited(len(compiled)):
                 try:
                     output = compiled[region](*args, **kwargs)
                 except FailOnRecompileLimitHit as error:
@@ -246,17 +246,27 @@ def _recompile_limit_message(name: str, step: Callable, region: Region) -> str:
     )
 
 
-def _logging_left_out() -> contextlib.AbstractContextManager:
-    """Python logging inside a compiled step (HF's ``logger.warning_once`` that ``use_cache`` is turned
-    off under gradient checkpointing) is left out of the trace instead of breaking the graph: a break
-    inside a loop makes Dynamo run the whole frame eagerly, without sequence parallelism."""
+def _tracing_settings() -> contextlib.AbstractContextManager:
+    """Dynamo settings that keep a model's Python bookkeeping from breaking the graph: a break inside a loop
+    makes Dynamo run the whole frame eagerly, without sequence parallelism.
+
+    - Python logging is left out of the trace (HF's ``logger.warning_once`` that ``use_cache`` is turned
+      off under gradient checkpointing).
+    - Python state a checkpointed region sets is set once, in forward, not again when backward recomputes:
+      the SP pass inlines every checkpointed region (``compiler/normalize.py``) and SAC recomputes graph ops
+      only, so nothing replays the region's Python code either way. transformers (from 5.25) sets and
+      resets a context variable in each attention's forward (``kernels``' ``use_kernelized_func``), which
+      under ``gradient_checkpointing_enable()`` otherwise breaks the graph at every layer.
+    """
     methods = {logging.Logger.debug, logging.Logger.info, logging.Logger.warning}
     methods |= {
         getattr(logging.Logger, name)
         for name in ("warning_once", "info_once")
         if hasattr(logging.Logger, name)
     }
-    return torch._dynamo.config.patch(ignore_logging_functions=methods)
+    return torch._dynamo.config.patch(
+        ignore_logging_functions=methods, skip_fwd_side_effects_in_bwd_under_checkpoint=True
+    )
 
 
 def _ring_description(shard: SequenceShard) -> str:
