@@ -75,6 +75,31 @@ def test_used_attention_weights_are_refused_with_the_fix() -> None:
         simulate_step(WeightsLM(), batch(), 2)
 
 
+class SplitTailLM(mixers.MultiheadAttentionLM):
+    """transformers' Mamba-2 scan (5.25): the last ``keep`` tokens split off to be scanned one at a time for
+    a cache's states, none in training."""
+
+    def __init__(self, keep: int) -> None:
+        super().__init__(layers=1)
+        self.keep = keep
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        x = self.embed(ids)
+        keep = min(self.keep, x.shape[1])
+        body, tail = torch.tensor_split(x, [x.shape[1] - keep], dim=1)
+        pieces = [body.cumsum(-1)]
+        pieces += [tail[:, i : i + 1] for i in range(keep)]
+        return mixers.causal_lm_loss(self.head(torch.cat(pieces, dim=1)), ids)
+
+
+def test_a_split_at_the_sequences_end_is_exact_and_one_inside_it_refused() -> None:
+    torch.manual_seed(0)
+    assert_exact(SplitTailLM(keep=0), batch())
+    with pytest.raises(NotImplementedError, match=r"tensor_split at .*splits the sequence into pieces"):
+        simulate_step(SplitTailLM(keep=2), batch(), 2)
+
+
 def test_dead_code_elimination_keeps_in_place_writes() -> None:
     """``keys[..., :d].copy_(k)`` has no users but fills ``keys``: FX's own elimination drops it."""
     graph = torch.fx.Graph()

@@ -317,6 +317,19 @@ def _has_no_elements(node: fx.Node) -> bool:
     )
 
 
+def _one_piece_holds_every_token(node: fx.Node, dim: int) -> bool:
+    """A split at the sequence's end (or start): one piece is the whole sequence, the others are traced
+    with a number 0 along it (a length, a symbol, minus itself). Each rank then keeps its whole shard in
+    that piece and nothing in the others, which is the global split's shard. transformers' Mamba-2 scans
+    (from 5.25) split off the last tokens whose states a cache keeps, none in training."""
+    pieces = meta_value(node)
+    if not isinstance(pieces, (tuple, list)) or len(pieces) < 2:
+        return False
+    sizes = [piece.shape[dim] for piece in pieces if isinstance(piece, torch.Tensor)]
+    empty = [isinstance(size, int) and size == 0 for size in sizes]
+    return len(sizes) == len(pieces) and sum(empty) == len(pieces) - 1
+
+
 def stack(a, node: fx.Node) -> Layout:
     tensors = tensor_nodes([arg(node, 0, "tensors")])
     layouts = [a.layout(t) for t in tensors]
@@ -350,7 +363,8 @@ def pieces(a, node: fx.Node) -> tuple[Layout, ...]:
         a.refuse(node, f"splits the row dim of {layout}", dispatch.FIX)
         return (layout,) * count
     if dim in layout.dims and not layout.is_split:  # a split value's sequence is whole
-        a.refuse(node, "splits the sequence into pieces", "Split along other dims")
+        if not _one_piece_holds_every_token(node, dim):
+            a.refuse(node, "splits the sequence into pieces", "Split along other dims")
         return (layout,) * count
     if name == "unbind":
         layout = layout.mapped({d: (d if d < dim else d - 1) for d in range(rank) if d != dim})
