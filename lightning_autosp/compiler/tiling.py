@@ -400,14 +400,11 @@ def _lower(
     if not isinstance(rows, int):
         source, layout = next(iter(row_inputs.items()))
         total = emit.call(aten.sym_size.int, (source, layout.dim))
-    bounds = (
-        [0]
-        + [
-            emit.size(operator.floordiv, emit.size(operator.mul, total, k), region.tiles)
-            for k in range(1, region.tiles)
-        ]
-        + [total]
-    )
+    # Every tile but the last has rows // tiles rows (the last the rest): one size expression for them all.
+    # Bounds at k * rows // tiles gave each tile its own, and the fake values of ~30 ops a tile then did
+    # symbolic arithmetic on each: half of an 8-layer GPT's aot_eager compile at 2048 tokens went there.
+    step = emit.size(operator.floordiv, total, region.tiles)
+    bounds = [0] + [emit.size(operator.mul, step, k) for k in range(1, region.tiles)] + [total]
 
     # Row outputs are rebuilt from the memory they view: its tiles concatenated, the views replayed.
     roots = list(dict.fromkeys(_storage(o, inside) for o in region.outputs if isinstance(layouts[o], Rows)))
@@ -415,7 +412,7 @@ def _lower(
     sums: dict[fx.Node, fx.Node] = {}
     for k in range(region.tiles):
         start, end = bounds[k], bounds[k + 1]
-        length = emit.size(operator.sub, end, start)
+        length = step if k < region.tiles - 1 else emit.size(operator.sub, end, start)
         tile: dict[fx.Node, fx.Node] = {}
 
         def argument(arg: fx.Node, start: object = start, end: object = end, tile: dict = tile) -> fx.Node:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("worker.py")
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
-# A hang guard, several times what the launch takes on 2 idle cores (about 2 minutes).
+# A hang guard, several times what the launch takes (about 7 minutes on 2 idle cores, 13 in the suite).
 ZOO_HANG_GUARD_S = 2400
 
 
