@@ -150,13 +150,14 @@ class HFModule(_SGD):
 class HFClassifierModule(_SGD):
     """An HF sequence classifier (``num_labels=1``: a reward model) from a default config with only sizes
     changed: it pools the last non-padding token (padding id 0) and takes its loss against
-    ``batch["label"]``."""
+    ``batch["label"]``; ``config`` overrides sizes."""
 
-    def __init__(self, family: str = "llama", num_labels: int = 3) -> None:
+    def __init__(self, family: str = "llama", num_labels: int = 3, **config) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        config = AutoConfig.for_model(family, num_labels=num_labels, pad_token_id=0, **TINY_HF)
+        sizes = {**TINY_HF, **config}
+        config = AutoConfig.for_model(family, num_labels=num_labels, pad_token_id=0, **sizes)
         self.model = AutoModelForSequenceClassification.from_config(config)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

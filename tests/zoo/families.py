@@ -7,8 +7,11 @@ same on every rank. ``python -m benchmarks.zoo`` runs them all and writes the RE
 
 Each family is built as its users build it: the default config with only sizes changed (and dropout set
 to 0, for parity), the attention transformers picks, ``use_cache`` as the config sets it. Tiny: hidden 32,
-2 layers, 4 heads and 2 KV heads where the family has them (head dim 8), vocabulary 48. Shard lengths (13
-and 14 tokens) differ from every model dimension, so no size is ambiguous between the sequence and the
+4 heads and 2 KV heads where the family has them (head dim 8), vocabulary 48; one layer where every layer
+is alike (a second repeats the same ops on the same layouts: compile time, not coverage), two for Llama
+(the model users start from) and where layers differ (sliding and global attention, dense and MoE
+blocks, convolution or scan and attention, one checkpointed region per layer). Shard lengths (13 and 14
+tokens) differ from every model dimension, so no size is ambiguous between the sequence and the
 model. HF causal LMs, litgpt and hand-written GPTs, torch's own attention modules, hybrids of linear
 attention, convolutions and state-space scans, mixtures of experts, classifiers and reward models.
 """
@@ -56,22 +59,22 @@ DEEPSEEK = dict(
 )
 
 
-def hf(family: str, **config: Any) -> Callable[[], L.LightningModule]:
+def hf(family: str, layers: int = 1, **config: Any) -> Callable[[], L.LightningModule]:
     from tests.distributed.user_modules import HFModule
 
-    return lambda: HFModule(family, **config)
+    return lambda: HFModule(family, num_hidden_layers=layers, **config)
 
 
 def hf_classifier(num_labels: int) -> Callable[[], L.LightningModule]:
     from tests.distributed.user_modules import HFClassifierModule
 
-    return lambda: HFClassifierModule("llama", num_labels=num_labels)
+    return lambda: HFClassifierModule("llama", num_labels=num_labels, num_hidden_layers=1)
 
 
 def litgpt(**config: Any) -> Callable[[], L.LightningModule]:
     from tests.distributed.user_modules import LitGPTModule
 
-    return lambda: LitGPTModule(**config)
+    return lambda: LitGPTModule(n_layer=1, **config)
 
 
 def mixer(name: str, **kwargs: Any) -> Callable[[], L.LightningModule]:
@@ -83,24 +86,25 @@ def mixer(name: str, **kwargs: Any) -> Callable[[], L.LightningModule]:
 def nanogpt() -> L.LightningModule:
     from examples.models import GPTModule
 
-    return GPTModule(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=4, n_embd=32)
+    return GPTModule(vocab_size=VOCAB, block_size=64, n_layer=1, n_head=4, n_embd=32)
 
 
 def mingpt() -> L.LightningModule:
     from tests.distributed.user_modules import SlicedTableGPT
 
-    return SlicedTableGPT(positions="learned")
+    return SlicedTableGPT(positions="learned", layers=1)
 
 
 FAMILIES: dict[str, Family] = {
     # HF causal LMs: SDPA
-    "llama": Family(hf("llama"), "GQA (4 q / 2 KV heads), rotary, KV cache on", inductor=True),
+    "llama": Family(hf("llama", layers=2), "GQA (4 q / 2 KV heads), rotary, KV cache on", inductor=True),
     "mistral": Family(hf("mistral", head_dim=8, sliding_window=8), "sliding window (8) shorter than a shard"),
     "qwen2": Family(hf("qwen2"), "q/k/v biases"),
     "qwen3": Family(hf("qwen3", head_dim=8), "q/k RMSNorm per head"),
     "gemma3_text": Family(
         hf(
             "gemma3_text",
+            layers=2,
             head_dim=8,
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"],
@@ -131,11 +135,13 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(hf("granite"), "scaled residuals, embeddings and logits"),
     "stablelm": Family(hf("stablelm"), "partial rotary, LayerNorm"),
     "llama-gradient-checkpointing": Family(
-        hf("llama", gradient_checkpointing=True),
+        hf("llama", layers=2, gradient_checkpointing=True),
         "HF gradient_checkpointing_enable(): the regions inlined, SAC decides",
     ),
     # HF causal LMs whose attention transformers writes out (eager by default)
-    "gemma2": Family(hf("gemma2", head_dim=8), "attention written out, soft-capping: split over heads"),
+    "gemma2": Family(
+        hf("gemma2", layers=2, head_dim=8), "attention written out, soft-capping: split over heads"
+    ),
     "bloom": Family(
         hf("bloom", hidden_dropout=0.0, attention_dropout=0.0),
         "ALiBi in baddbmm, written-out attention, a custom autograd GeLU",
@@ -160,12 +166,17 @@ FAMILIES: dict[str, Family] = {
         hf("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
         "mixture of experts, q/k norm",
     ),
-    "deepseek_v3": Family(hf("deepseek_v3", **DEEPSEEK), "multi-head latent attention, grouped routing"),
-    "deepseek_v2": Family(hf("deepseek_v2", **DEEPSEEK), "latent attention, complex rotary (polar)"),
+    "deepseek_v3": Family(
+        hf("deepseek_v3", layers=2, **DEEPSEEK), "multi-head latent attention, grouped routing"
+    ),
+    "deepseek_v2": Family(
+        hf("deepseek_v2", layers=2, **DEEPSEEK), "latent attention, complex rotary (polar)"
+    ),
     # hybrids: short convolutions, state-space scans
     "lfm2": Family(
         hf(
             "lfm2",
+            layers=2,
             layer_types=["conv", "full_attention"],
             block_ff_dim=64,
             conv_L_cache=3,
@@ -176,6 +187,7 @@ FAMILIES: dict[str, Family] = {
     "bamba": Family(
         hf(
             "bamba",
+            layers=2,
             attn_layer_indices=[1],
             mamba_n_heads=4,
             mamba_d_head=8,
@@ -209,8 +221,12 @@ FAMILIES: dict[str, Family] = {
     ),
     "nanogpt": Family(nanogpt, "nanoGPT-style: learned positions from arange, fused qkv"),
     "mingpt": Family(mingpt, "minGPT-style: learned position table sliced pos_emb[:, :T]"),
-    "written-attention": Family(mixer("WrittenAttentionGPT"), "softmax(q k^T) v with a tril mask, by hand"),
-    "alibi-mask": Family(mixer("AlibiGPT"), "SDPA with a per-head [H, S, S] ALiBi mask", inductor=True),
+    "written-attention": Family(
+        mixer("WrittenAttentionGPT", layers=1), "softmax(q k^T) v with a tril mask, by hand"
+    ),
+    "alibi-mask": Family(
+        mixer("AlibiGPT", layers=1), "SDPA with a per-head [H, S, S] ALiBi mask", inductor=True
+    ),
     "meta-llama": Family(
         mixer("MetaLlamaBlockLM"), "complex rotary (view_as_complex), keys built in place, custom Function"
     ),
@@ -224,9 +240,9 @@ FAMILIES: dict[str, Family] = {
     ),
     # torch's own modules
     "torch-transformer-encoder": Family(
-        mixer("TransformerEncoderLM"), "nn.TransformerEncoder(..., is_causal=True)"
+        mixer("TransformerEncoderLM", layers=1), "nn.TransformerEncoder(..., is_causal=True)"
     ),
     "torch-multihead-attention": Family(
-        mixer("MultiheadAttentionLM"), "nn.MultiheadAttention, need_weights default"
+        mixer("MultiheadAttentionLM", layers=1), "nn.MultiheadAttention, need_weights default"
     ),
 }

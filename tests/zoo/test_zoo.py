@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("worker.py")
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
-# A hang guard, several times what the launch takes (about 7 minutes on 2 idle cores, 13 in the suite).
+# A hang guard, several times what the launch takes (about 5 minutes on 2 idle cores, 10 in the suite).
 ZOO_HANG_GUARD_S = 2400
 
 
