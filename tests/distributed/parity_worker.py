@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -397,12 +398,14 @@ def main() -> None:
     for name in args.cases:
         torch._dynamo.reset()
         original_pass = backend_module.sequence_parallel_pass
+        start = time.monotonic()
         try:
             results[name] = run_case(name, CASES[name])
         except Exception as error:  # recorded per case so one failure does not hide the others
             results[name] = {"error": f"{type(error).__name__}: {error}"}
         finally:
             backend_module.sequence_parallel_pass = original_pass
+        results[name]["seconds"] = round(time.monotonic() - start, 1)  # where a launch's time goes
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
