@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, MiB, code_version, machine_info, write_report
+from benchmarks.run import SUITES
+from benchmarks.run import parse_args as parse_launch
 
 # name -> benchmarks.run arguments; sp is every rank (one sp group). The budget shrinks with the bytes per
 # token of a rank (half in bf16, half again at sp=4) so that every configuration searches about the same
@@ -72,13 +74,12 @@ def run_config(name: str, extra: list[str], out_dir: Path) -> dict:
     gpus = _gpus()
     if gpus and "--device" not in extra:
         args += ["--device", "cuda"]
-    ranks = int(args[args.index("--nproc") + 1])
-    if "cuda" in args and ranks > gpus:
-        return {"skipped": f"needs {ranks} GPUs, {gpus} found"}
-    models = extra[extra.index("--models") + 1 :] if "--models" in extra else []
-    models = models[: next((i for i, a in enumerate(models) if a.startswith("--")), len(models))]
+    launch = parse_launch(args)  # the launch as benchmarks.run will read it
+    if launch.device == "cuda" and launch.nproc > gpus:
+        return {"skipped": f"needs {launch.nproc} GPUs, {gpus} found"}
     # a launch of some models keeps the launches of the others (each part's own file)
-    out = out_dir / (f"{name}.{'.'.join(models)}.json" if models else f"{name}.json")
+    some = launch.models != SUITES["trainability"]["models"]
+    out = out_dir / (f"{name}.{'.'.join(launch.models)}.json" if some else f"{name}.json")
     shown = out.relative_to(ROOT) if out.is_absolute() and out.is_relative_to(ROOT) else out
     command = [sys.executable, "-m", "benchmarks.run", *args, "--out", str(shown)]
     print(f"== {name}: {shlex.join(command[1:])}", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -91,3 +92,32 @@ def test_a_launch_of_some_models_replaces_only_their_rows() -> None:
 def test_a_launch_with_another_budget_is_not_merged() -> None:
     with pytest.raises(SystemExit, match="budget_mib"):
         trainability.merge_parts(_launch("aaaa", ["gpt-tiny"]), _launch("bbbb", ["gpt-tiny"], budget=16.0))
+
+
+@pytest.mark.parametrize(
+    ("extra", "part"),
+    [
+        (["--repeats", "3"], "sp4-fp32.json"),
+        (["--models", "llama-tiny", "--repeats", "3"], "sp4-fp32.llama-tiny.json"),
+        (["--repeats", "3", "--models", "gpt-tiny", "llama-tiny"], "sp4-fp32.gpt-tiny.llama-tiny.json"),
+    ],
+)
+def test_a_launch_of_some_models_writes_its_own_part(tmp_path, monkeypatch, extra, part) -> None:
+    launched = []
+
+    def launch(command: list[str], cwd: object) -> subprocess.CompletedProcess:
+        launched.append(command)
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(trainability, "_gpus", lambda: 0)
+    monkeypatch.setattr(trainability.subprocess, "run", launch)
+    result = trainability.run_config("sp4-fp32", extra, tmp_path)
+    assert "failed" in result  # nothing ran, so no report
+    command = launched[0]
+    assert command[command.index("--out") + 1] == str(tmp_path / part)
+    assert command[command.index("--nproc") + 1] == "4"
+
+
+def test_a_cuda_launch_needs_its_ranks_in_gpus(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(trainability, "_gpus", lambda: 2)
+    assert trainability.run_config("sp4-fp32", [], tmp_path) == {"skipped": "needs 4 GPUs, 2 found"}
