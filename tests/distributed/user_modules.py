@@ -157,8 +157,8 @@ class HFClassifierModule(_SGD):
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
         sizes = {**TINY_HF, **config}
-        config = AutoConfig.for_model(family, num_labels=num_labels, pad_token_id=0, **sizes)
-        self.model = AutoModelForSequenceClassification.from_config(config)
+        hf_config = AutoConfig.for_model(family, num_labels=num_labels, pad_token_id=0, **sizes)
+        self.model = AutoModelForSequenceClassification.from_config(hf_config)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch["input_ids"], labels=batch["label"]).loss

@@ -28,6 +28,8 @@ from tests.distributed.modules import VOCAB
 
 EVEN_LENGTH, ODD_LENGTH = 26, 27
 BATCH_SIZE = 2
+# The depth of a family whose layers are all alike (module docstring); the others name theirs.
+ALIKE_LAYERS = 1
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ DEEPSEEK = dict(
 )
 
 
-def hf(family: str, layers: int = 1, **config: Any) -> Callable[[], L.LightningModule]:
+def hf(family: str, layers: int = ALIKE_LAYERS, **config: Any) -> Callable[[], L.LightningModule]:
     from tests.distributed.user_modules import HFModule
 
     return lambda: HFModule(family, num_hidden_layers=layers, **config)
@@ -68,13 +70,13 @@ def hf(family: str, layers: int = 1, **config: Any) -> Callable[[], L.LightningM
 def hf_classifier(num_labels: int) -> Callable[[], L.LightningModule]:
     from tests.distributed.user_modules import HFClassifierModule
 
-    return lambda: HFClassifierModule("llama", num_labels=num_labels, num_hidden_layers=1)
+    return lambda: HFClassifierModule("llama", num_labels=num_labels, num_hidden_layers=ALIKE_LAYERS)
 
 
 def litgpt(**config: Any) -> Callable[[], L.LightningModule]:
     from tests.distributed.user_modules import LitGPTModule
 
-    return lambda: LitGPTModule(n_layer=1, **config)
+    return lambda: LitGPTModule(n_layer=ALIKE_LAYERS, **config)
 
 
 def mixer(name: str, **kwargs: Any) -> Callable[[], L.LightningModule]:
@@ -86,13 +88,13 @@ def mixer(name: str, **kwargs: Any) -> Callable[[], L.LightningModule]:
 def nanogpt() -> L.LightningModule:
     from examples.models import GPTModule
 
-    return GPTModule(vocab_size=VOCAB, block_size=64, n_layer=1, n_head=4, n_embd=32)
+    return GPTModule(vocab_size=VOCAB, block_size=64, n_layer=ALIKE_LAYERS, n_head=4, n_embd=32)
 
 
 def mingpt() -> L.LightningModule:
     from tests.distributed.user_modules import SlicedTableGPT
 
-    return SlicedTableGPT(positions="learned", layers=1)
+    return SlicedTableGPT(positions="learned", layers=ALIKE_LAYERS)
 
 
 FAMILIES: dict[str, Family] = {
@@ -222,10 +224,10 @@ FAMILIES: dict[str, Family] = {
     "nanogpt": Family(nanogpt, "nanoGPT-style: learned positions from arange, fused qkv"),
     "mingpt": Family(mingpt, "minGPT-style: learned position table sliced pos_emb[:, :T]"),
     "written-attention": Family(
-        mixer("WrittenAttentionGPT", layers=1), "softmax(q k^T) v with a tril mask, by hand"
+        mixer("WrittenAttentionGPT", layers=ALIKE_LAYERS), "softmax(q k^T) v with a tril mask, by hand"
     ),
     "alibi-mask": Family(
-        mixer("AlibiGPT", layers=1), "SDPA with a per-head [H, S, S] ALiBi mask", inductor=True
+        mixer("AlibiGPT", layers=ALIKE_LAYERS), "SDPA with a per-head [H, S, S] ALiBi mask", inductor=True
     ),
     "meta-llama": Family(
         mixer("MetaLlamaBlockLM"), "complex rotary (view_as_complex), keys built in place, custom Function"
@@ -240,9 +242,9 @@ FAMILIES: dict[str, Family] = {
     ),
     # torch's own modules
     "torch-transformer-encoder": Family(
-        mixer("TransformerEncoderLM", layers=1), "nn.TransformerEncoder(..., is_causal=True)"
+        mixer("TransformerEncoderLM", layers=ALIKE_LAYERS), "nn.TransformerEncoder(..., is_causal=True)"
     ),
     "torch-multihead-attention": Family(
-        mixer("MultiheadAttentionLM", layers=1), "nn.MultiheadAttention, need_weights default"
+        mixer("MultiheadAttentionLM", layers=ALIKE_LAYERS), "nn.MultiheadAttention, need_weights default"
     ),
 }
