@@ -119,3 +119,19 @@ def test_tiling_serves_every_length_of_a_symbolic_graph() -> None:
 def test_tiling_threshold_is_checked() -> None:
     with pytest.raises(ValueError, match="sac_tile_bytes=-1 must be a number of bytes"):
         AutoSPBackend(None, sac_tile_bytes=-1)
+
+
+def test_16_bit_matmuls_get_no_tile_under_half_the_threshold() -> None:
+    """Note [Row tiling]: a bf16 GEMM pays a fixed cost per call that narrow tiles would multiply, so its
+    regions run in fewer, wider tiles than the width of their edges asks; fp32 regions as many as asked."""
+    model, loss_fn = _model("gpt")
+    ids = _ids()
+    tiles = {}
+    for dtype, tile_bytes in ((torch.float32, 16 << 10), (torch.bfloat16, 16 << 10), (torch.bfloat16, 0)):
+        backend, step = _compiled(loss_fn, tile_bytes=tile_bytes)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+            _run(model, loss_fn, step, ids)
+        (report,) = backend.sac_reports
+        tiles[dtype, tile_bytes] = report.tiles
+    assert tiles[torch.float32, 16 << 10] == 8
+    assert 2 <= tiles[torch.bfloat16, 16 << 10] < tiles[torch.bfloat16, 0]
