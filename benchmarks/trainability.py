@@ -311,13 +311,7 @@ def settings_line(report: dict) -> str:
         for name, spec in runs[0]["models"].items()
     )
     codes = ", ".join(
-        f"{config} "
-        + ", ".join(
-            f"{_commit(part)}" + (f" ({' '.join(part['models'])})" if "parts" in run else "")
-            for part in run.get("parts") or [run]
-        )
-        for config, run in report["configs"].items()
-        if "settings" in run
+        f"{config} {_commits(run)}" for config, run in report["configs"].items() if "settings" in run
     )
     return (
         f"Per-rank budget {budgets} over each step's allocator peak (CPU: c10 allocator "
@@ -332,6 +326,16 @@ def settings_line(report: dict) -> str:
 
 def _commit(part: dict) -> str:
     return ((part.get("code") or {}).get("commit") or "?")[:10]
+
+
+def _commits(run: dict) -> str:
+    """The commit of a configuration's run or, where it was run in parts, each commit once with its models."""
+    if "parts" not in run:
+        return _commit(run)
+    models: dict[str, list[str]] = {}
+    for part in run["parts"]:
+        models.setdefault(_commit(part), []).extend(part["models"])
+    return ", ".join(f"{commit} ({' '.join(names)})" for commit, names in models.items())
 
 
 def render_markdown(report: dict) -> str:
