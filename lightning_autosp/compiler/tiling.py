@@ -36,7 +36,8 @@ Note [Row tiling]
     proportions in bf16 on 2 ranks at 2048 tokens (1.75 MiB inner values): 7 tiles took 1.11x SP
     alone's step, 3 tiles 1.04x, for the same peak (14.5 MiB; 16.4 untiled). An fp32 GEMM there is
     proportional to its rows (8 tiles of one: 1.02x its time), and a tile floor would only cost memory
-    (the GPT on 4 ranks at 5120 tokens: 32.8 MiB against 31.4 with its 8 tiles).
+    (the GPT on 4 ranks at 5120 tokens: 32.8 MiB with it, 31.4 in the trainability search's launch with
+    its 8 tiles).
 
     Sums over rows are added tile by tile in float32 when the op computes in a narrower dtype, so a
     bfloat16 weight gradient is rounded once, as without tiling.
@@ -70,6 +71,9 @@ from lightning_autosp.compiler.tiling_rules import (
 )
 
 log = logging.getLogger(__name__)
+
+# The matmuls of linear layers (forward and backward) once Dynamo's graph is lowered to ATen.
+_MATMULS = (aten.mm.default, aten.addmm.default)
 
 
 @dataclass
@@ -107,7 +111,7 @@ def row_count(graph: fx.Graph) -> object | None:
     counts: Counter = Counter()
     sizes: dict[object, object] = {}
     for node in graph.nodes:
-        if node.target not in (aten.mm.default, aten.addmm.default):
+        if node.target not in _MATMULS:
             continue
         left = value_of(node.args[-2])
         if isinstance(left, torch.Tensor) and left.dim() == 2:
@@ -299,8 +303,7 @@ def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int,
 
 def _narrow_matmul(node: fx.Node) -> bool:
     value = value_of(node)
-    matmul = node.target in (aten.mm.default, aten.addmm.default)
-    return matmul and isinstance(value, torch.Tensor) and value.dtype.itemsize < 4
+    return node.target in _MATMULS and isinstance(value, torch.Tensor) and value.dtype.itemsize < 4
 
 
 def _storage(node: fx.Node, inside: set[fx.Node]) -> fx.Node:
