@@ -21,6 +21,11 @@ identity and by the op that allocated it (the profiler's event tree):
 * ``backward temporaries``: blocks backward allocated that are neither gradients nor collective
   buffers: the block being rebuilt, activation gradients and kernel workspace (split by ``static``).
 
+The high-water mark holds a block whose free the profiler did not record until its address is allocated
+again: gloo's worker thread can drop the last reference to an all-to-all's buffers, and the profiler
+records the threads it runs on. So every step's peak is also given without those blocks (a lower bound;
+``benchmarks.common.unseen_frees``), and the step with the lowest peak is the one broken down.
+
 ``static`` (this project's methods only) walks the partitioned backward graph in order, sizes from its
 fake values, views sharing their base's bytes, each value freed after its last use, the step's inputs
 (parameters, the batch) left out, and reports the values live where that sum is highest, as: saved
@@ -50,6 +55,7 @@ from benchmarks.common import (
     BACKWARD_MARK,
     RESULTS,
     MiB,
+    cpu_allocation_peak,
     disable_compile_caches,
     profile_events,
     render_or_launch,
@@ -205,7 +211,13 @@ def measure(forward: Callable[[], Any], backward: Callable[[Any], None], model: 
     peak, peak_time, blocks, backward_start = live_at_peak(prof)
     figures = attribute(blocks, saved, grads, backward_start)
     phase = "backward" if backward_start is not None and peak_time >= backward_start else "forward"
-    return {"peak_bytes": peak, "phase": phase, "blocks_live": len(blocks), **figures}
+    return {
+        "peak_bytes": peak,
+        "peak_seen_frees_bytes": cpu_allocation_peak(prof, kept=grads),
+        "phase": phase,
+        "blocks_live": len(blocks),
+        **figures,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -357,6 +369,7 @@ def worker_main(args: argparse.Namespace) -> None:
             runs = [measure(prepared.forward, prepared.backward, method.model) for _ in range(args.steps)]
             figures = min(runs, key=lambda run: run["peak_bytes"])
             figures["peak_bytes_all_steps"] = [run["peak_bytes"] for run in runs]
+            figures["peak_seen_frees_all_steps"] = [run["peak_seen_frees_bytes"] for run in runs]
             if isinstance(method, Ours):
                 figures["static"] = method.backends[-1].partitioner.static
             results[model_name][name] = figures
@@ -422,6 +435,32 @@ def render_markdown(report: dict) -> str:
             r = max((per_rank[model][method] for per_rank in ranks), key=lambda f: f["peak_bytes"])
             ops = ", ".join(f"{op} {_mib(n)}" for op, n in list(r["by_op"].items())[:8])
             lines.append(f"- {model}, {_LABELS.get(method, method)}: {ops}")
+    steps = [
+        (model, method)
+        for model in ranks[0]
+        for method in ranks[0][model]
+        if method != "parameter_bytes" and "peak_seen_frees_all_steps" in ranks[0][model][method]
+    ]
+    if steps:
+        lines += [
+            "",
+            "Every profiled step's peak per rank, as measured / leaving out the blocks whose free no event "
+            "shows (freed on a thread the profiler does not record; `benchmarks.common.unseen_frees`), MiB:",
+            "",
+        ]
+    for model, method in steps:
+        per_rank = "; ".join(
+            f"rank {rank}: "
+            + ", ".join(
+                f"{_mib(measured)} / {_mib(seen)}"
+                for measured, seen in zip(
+                    ranks[rank][model][method]["peak_bytes_all_steps"],
+                    ranks[rank][model][method]["peak_seen_frees_all_steps"],
+                )
+            )
+            for rank in range(len(ranks))
+        )
+        lines.append(f"- {model}, {_LABELS.get(method, method)}: {per_rank}")
     lines += [
         "",
         "Static walk of the partitioned backward graph (this project's methods; values live at its "
