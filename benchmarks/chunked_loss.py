@@ -27,7 +27,7 @@ forward, backward): steps are slow on a loaded 2-core machine (~100 s at 8K toke
 smallest size (``first_vs_second_step``) shows the first step's peak equals the second's.
 
 * allocator peak: high-water mark of the bytes the c10 CPU allocator handed out and still held during
-  the step (the profiler's memory events, ``benchmarks.common.profiled_step``): what
+  the step (the profiler's memory events, ``benchmarks.measure.profiled_step``): what
   ``torch.cuda.max_memory_allocated`` measures on a GPU.
 * saved for backward: bytes of the storages packed by ``saved_tensors_hooks`` in the forward, parameters
   excluded.
@@ -54,7 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, ROOT, MiB, bench_command, machine_info, profiled_step, rss_peak
+from benchmarks.common import RESULTS, ROOT, MiB, bench_command, machine_info
+from benchmarks.measure import profiled_step, rss_peak
 
 VOCAB = 128256
 HIDDEN = 64

@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, MiB, collective_bytes, cpu_allocation_peak
+from benchmarks.common import RESULTS, ROOT, MiB
+from benchmarks.measure import collective_bytes, cpu_allocation_peak
 
 # data_parallel="fsdp" gathers each parameter where the step uses it ("per_use", the default) or the whole
 # module around the step as one FSDP2 unit ("per_step").
@@ -85,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     class StateBytes(L.Callback):
         """State bytes after each step; the allocator's in-step peak (under the profiler) of every step
         after the first (the compile), the least of them: a tensor freed on a gloo thread has no free
-        event, so one step can over-count (``benchmarks.common.profiled_step``)."""
+        event, so one step can over-count (``benchmarks.measure.profiled_step``)."""
 
         step_peak = float("inf")
 

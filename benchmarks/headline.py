@@ -36,15 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    RESULTS,
-    MiB,
-    allocator_peak,
-    cuda_peak,
-    disable_compile_caches,
-    report_header,
-    write_report,
-)
+from benchmarks.common import RESULTS, MiB, disable_compile_caches, report_header, write_report
+from benchmarks.measure import allocator_peak, cuda_peak
 
 GiB = 2**30
 _LABELS = {"sac": "ours: SP + SAC", "sp": "ours: SP", "ulysses": "hand-written Ulysses"}

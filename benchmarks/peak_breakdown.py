@@ -9,7 +9,7 @@ Models and methods are those of ``benchmarks.run`` (``benchmarks/models.py``, ``
 
 Measured, per (model, method), on the step with the lowest peak of ``--steps`` profiled steps (after
 two warm-up steps; gradients set to None before each): the CPU allocator's high-water mark
-(``benchmarks.common.bytes_held``) and every block still allocated at that instant, each attributed by
+(``benchmarks.measure.replay``) and every block still allocated at that instant, each attributed by
 identity and by the op that allocated it (the profiler's event tree):
 
 * ``gradients``: storages of ``param.grad`` after the step;
@@ -24,7 +24,7 @@ identity and by the op that allocated it (the profiler's event tree):
 The high-water mark holds a block whose free the profiler did not record until its address is allocated
 again: gloo's worker thread can drop the last reference to an all-to-all's buffers, and the profiler
 records the threads it runs on. So every step's peak is also given without those blocks (a lower bound;
-``benchmarks.common.unseen_frees``), and the step with the lowest peak is the one broken down.
+``benchmarks.measure.unseen_frees``), and the step with the lowest peak is the one broken down.
 
 ``static`` (this project's methods only) walks the partitioned backward graph in order, sizes from its
 fake values, views sharing their base's bytes, each value freed after its last use, the step's inputs
@@ -52,15 +52,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    BACKWARD_MARK,
     RESULTS,
     MiB,
-    cpu_allocation_peak,
     disable_compile_caches,
-    profile_events,
     render_or_launch,
     report_header,
     write_report,
+)
+from benchmarks.measure import (
+    BACKWARD_MARK,
+    Allocation,
+    allocation_peak,
+    cpu_allocation,
+    profile_events,
+    replay,
 )
 
 KINDS = (
@@ -118,46 +123,35 @@ def _allocating_op(path: list[str]) -> str:
     return path[-1] if path else "?"
 
 
-def live_at_peak(prof: Any) -> tuple[int, int, list[dict], int | None]:
-    """(peak bytes, time of the peak, the blocks live then, start of backward) of a finished profile.
-
-    Allocation and free events are matched by address, as ``common.bytes_held`` does.
-    """
-    from torch._C._profiler import _EventType
-
-    events, backward_start = [], None
+def live_at_peak(prof: Any) -> tuple[int, int, list[dict], int | None, list[Allocation]]:
+    """(peak bytes, time of the peak, the blocks live then, start of backward, every CPU allocator event) of
+    a finished profile; allocations and frees are matched by address (``benchmarks.measure.replay``)."""
+    events: dict[Allocation, Any] = {}
+    backward_start = None
     for event in profile_events(prof):
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            events.append(event)
+        allocation = cpu_allocation(event)
+        if allocation is not None:
+            events[allocation] = event
         elif event.name == BACKWARD_MARK:
             backward_start = event.start_time_ns
-    events.sort(key=lambda e: e.start_time_ns)
-    live: dict[int, Any] = {}
-    held = peak = 0
-    peak_time, snapshot = 0, {}
-    for event in events:
-        fields = event.extra_fields
-        previous = live.pop(fields.ptr, None)
-        if previous is not None:
-            held -= previous.extra_fields.alloc_size
-        if fields.alloc_size > 0:
-            live[fields.ptr] = event
-            held += fields.alloc_size
+    peak = peak_time = 0
+    snapshot: list[Allocation] = []
+    for (when, _, _), _, held, live in replay(events):
         if held > peak:
-            peak, peak_time, snapshot = held, event.start_time_ns, dict(live)
+            peak, peak_time, snapshot = held, when, list(live.values())
     blocks = []
-    for ptr, event in snapshot.items():
-        path = _op_path(event)
+    for allocation in snapshot:
+        path = _op_path(events[allocation])
         blocks.append(
             {
-                "ptr": ptr,
-                "bytes": event.extra_fields.alloc_size,
-                "time": event.start_time_ns,
+                "ptr": allocation[2],
+                "bytes": allocation[1],
+                "time": allocation[0],
                 "op": _allocating_op(path),
                 "collective": any(name.startswith(_COLLECTIVE_PREFIXES) for name in path),
             }
         )
-    return peak, peak_time, blocks, backward_start
+    return peak, peak_time, blocks, backward_start, list(events)
 
 
 def attribute(blocks: list[dict], saved: set[int], grads: set[int], backward_start: int | None) -> dict:
@@ -208,12 +202,12 @@ def measure(forward: Callable[[], Any], backward: Callable[[Any], None], model: 
         with record_function(BACKWARD_MARK):
             backward(loss)
     grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    peak, peak_time, blocks, backward_start = live_at_peak(prof)
+    peak, peak_time, blocks, backward_start, allocations = live_at_peak(prof)
     figures = attribute(blocks, saved, grads, backward_start)
     phase = "backward" if backward_start is not None and peak_time >= backward_start else "forward"
     return {
         "peak_bytes": peak,
-        "peak_seen_frees_bytes": cpu_allocation_peak(prof, kept=grads),
+        "peak_seen_frees_bytes": allocation_peak(allocations, kept=grads),
         "phase": phase,
         "blocks_live": len(blocks),
         **figures,
@@ -445,7 +439,7 @@ def render_markdown(report: dict) -> str:
         lines += [
             "",
             "Every profiled step's peak per rank, as measured / leaving out the blocks whose free no event "
-            "shows (freed on a thread the profiler does not record; `benchmarks.common.unseen_frees`), MiB:",
+            "shows (freed on a thread the profiler does not record; `benchmarks.measure.unseen_frees`), MiB:",
             "",
         ]
     for model, method in steps:

@@ -12,7 +12,7 @@ so the compiled graph, its partition and every saved tensor are those of rank ``
 (checked: for the GPT and Llama of ``benchmarks/sac.py`` at 1024 tokens, the same byte counts as its
 2-process gloo runs). Parameters, gradients and AdamW state are counted after one optimizer step, as
 ``MemoryMonitor`` does. ``--peak`` adds the step's CPU allocator high-water mark (profiler events,
-``benchmarks.common.profiled_step``) against the planner's peak less what is allocated before the step
+``benchmarks.measure.profiled_step``) against the planner's peak less what is allocated before the step
 (parameters, optimizer state, DDP buckets). ``--list`` prints every saved tensor (what
 Note [What is saved for backward] in ``lightning_autosp/memory_model.py`` is written from).
 """
@@ -206,7 +206,7 @@ def measure(
         loss.backward()
     peak = None
     if measure_peak:  # the step's allocator high-water mark: activations, workspace and gradients
-        from benchmarks.common import profiled_step
+        from benchmarks.measure import profiled_step
 
         model.zero_grad(set_to_none=True)
         with local_collectives():

@@ -16,7 +16,7 @@ What is measured, per model and method (every rank runs the same calls in the sa
 * at every sequence length of ``--seq-lens``: the first step (compiles; static shapes recompile per length,
   DeepSpeed's dynamic-shape graph does not), a steady step, and the peak memory of a step per rank: on
   CPU the high-water mark of the bytes the c10 CPU allocator handed out during the step and still held
-  (profiler allocation events, least of ``--profiled-steps`` steps; ``benchmarks/common.py``), on GPU the
+  (profiler allocation events, least of ``--profiled-steps`` steps; ``benchmarks/measure.py``), on GPU the
   CUDA caching allocator's ``max_memory_allocated`` above the allocation at the step's start; and the
   bytes each rank passes to every collective, split into forward and backward (profiler events
   ``gloo:all_to_all``, ``nccl:all_reduce``, ...).
@@ -54,19 +54,15 @@ from typing import Any
 from benchmarks.common import (
     RESULTS,
     MiB,
-    allocator_peak,
     bench_command,
     code_version,
-    cuda_peak,
     disable_compile_caches,
     grad_rel_err,
     launch_or_work,
     machine_info,
-    profiled_step,
-    saved_for_backward,
-    timed,
     worker_argv,
 )
+from benchmarks.measure import allocator_peak, cuda_peak, profiled_step, saved_for_backward, timed
 
 SUITES: dict[str, dict[str, Any]] = {
     "cpu": {

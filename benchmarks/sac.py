@@ -32,7 +32,7 @@ Per (model, seq_len, method) and rank, after two warm-up steps:
   (``AOT_PARTITIONER_DEBUG``'s "Theoretical Per Activation Storage Sizes", kept per graph in the JSON).
 * peak: the high-water mark of the bytes the c10 CPU allocator handed out during one step (forward and
   backward, gradients included, set to None before) and still held, from the profiler's allocation
-  events (``profile_memory=True``), least of 3 steps (``benchmarks.common.allocator_peak``); this covers
+  events (``profile_memory=True``), least of 3 steps (``benchmarks.measure.allocator_peak``); this covers
   the buffers Inductor's generated code allocates in C++. Also the process RSS high-water mark above the
   RSS at the step's start (``/proc/self/clear_refs`` reset, after ``malloc_trim``): coarse.
   ``torch.distributed._tools.mem_tracker.MemTracker`` is not usable here: it is a ``TorchDispatchMode``,
@@ -63,22 +63,19 @@ from typing import Any
 from benchmarks.common import (
     RESULTS,
     MiB,
-    allocator_peak,
     bench_command,
     current_grads,
     disable_compile_caches,
     grad_rel_err,
     launch_or_work,
     machine_info,
-    memtracker_check,
     op_of,
     partitioner_log,
     rel_err,
-    rss_peak,
-    saved_for_backward,
     summarize_partition,
     worker_argv,
 )
+from benchmarks.measure import allocator_peak, memtracker_check, rss_peak, saved_for_backward
 from lightning_autosp.extras import require
 
 METHODS = ("sp", "sac", "ds_sac")

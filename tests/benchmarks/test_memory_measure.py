@@ -12,7 +12,8 @@ import threading
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import cpu_allocation_peak, unseen_frees
+from benchmarks.measure import cpu_allocation_peak, unseen_frees
+from benchmarks.peak_breakdown import live_at_peak
 
 MIB = 2**20
 
@@ -41,3 +42,7 @@ def test_a_block_freed_off_the_profiled_thread_is_left_out_of_the_lower_bound() 
     # As measured, the handed block stays until its address is allocated again (the allocator may hand it
     # to `later`); otherwise it counts to the end.
     assert measured == (3 if later_address == handed_address else 7) * MIB
+    # The breakdown replays the same events: the same peak, made of the blocks it lists.
+    peak, _, blocks, _, allocations = live_at_peak(prof)
+    assert peak == measured == sum(block["bytes"] for block in blocks)
+    assert len(allocations) >= 4  # kept, handed and later allocated, later freed

@@ -10,7 +10,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from benchmarks.common import allocator_peak
+from benchmarks.measure import allocator_peak
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.sac import (
