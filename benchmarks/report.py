@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, MiB
+from benchmarks.suites import PAIRED_REFERENCES, REFERENCE_METHOD
 from lightning_autosp.extras import require
 
-REFERENCE_METHOD = "ulysses"
 TARGETS = {
     "time_vs_deepspeed": 1.00,
     "time_vs_ulysses": 1.03,
@@ -72,7 +72,7 @@ def summarize(model_name: str, method: str, per_rank: list[dict], report: dict) 
     if "timing" in first:
         summary["median_step_s"] = _max([r["timing"]["median_step_s"] for r in per_rank])
         summary["min_step_s"] = _max([r["timing"]["min_step_s"] for r in per_rank])
-        for reference in (REFERENCE_METHOD, "sp"):
+        for reference in PAIRED_REFERENCES:
             paired = f"paired_ratio_vs_{reference}"
             if paired in first["timing"]:
                 summary[paired] = _max([r["timing"][paired] for r in per_rank])

@@ -62,92 +62,9 @@ from benchmarks.common import (
     machine_info,
     worker_argv,
 )
+from benchmarks.length_search import is_out_of_memory, next_candidate
 from benchmarks.measure import allocator_peak, cuda_peak, profiled_step, saved_for_backward, timed
-
-SUITES: dict[str, dict[str, Any]] = {
-    "cpu": {
-        "models": ["gpt-tiny", "llama-tiny"],
-        "methods": ["sac", "sp", "deepspeed", "ulysses", "ddp", "ring"],
-        "seq_lens": [1024, 2048, 4096],
-        "headline_len": 4096,
-        "parity_len": 4096,
-        "repeats": 5,
-        "budget_mib": 32.0,
-        "search": "budget",
-        "granularity": 128,
-        "nproc": 2,
-        "threads": 1,
-        "compiler": "inductor",
-        "dtype": "float32",
-        "device": "cpu",
-    },
-    # benchmarks.trainability: 8-layer models, every method, the longest length within one budget
-    "trainability": {
-        "models": ["gpt-tiny", "llama-tiny", "llama3-proportions"],
-        "layers": 8,
-        "methods": ["sac", "sp", "ulysses", "ddp", "deepspeed"],
-        "seq_lens": [1024, 2048],
-        "headline_len": 2048,
-        "parity_len": 1024,
-        "repeats": 5,
-        "budget_mib": 64.0,
-        "search": "budget",
-        "granularity": 256,
-        "search_steps": 3,
-        "nproc": 2,
-        "threads": 1,
-        "compiler": "inductor",
-        "dtype": "float32",
-        "device": "cpu",
-    },
-    "smoke": {
-        "models": ["gpt-smoke", "llama-smoke"],
-        "methods": ["sac", "sp", "deepspeed", "ulysses", "ddp", "ring"],
-        "seq_lens": [64],
-        "headline_len": 64,
-        "parity_len": 64,
-        "repeats": 1,
-        "profiled_steps": 1,
-        "search": "none",
-        "nproc": 2,
-        "threads": 1,
-        "compiler": "aot_eager",
-        "dtype": "float32",
-        "device": "cpu",
-    },
-    "gpu": {
-        "models": ["llama-1b"],
-        "layers": 4,
-        "methods": ["sac", "sp", "ddp", "deepspeed", "ulysses", "ring"],
-        "seq_lens": [32768],
-        "headline_len": 32768,
-        "parity_len": 32768,
-        "repeats": 3,
-        "profiled_steps": 1,
-        "search": "auto",  # real OOM on one GPU, the budget (--budget-mib, default 90% of memory) on several
-        "granularity": 4096,
-        "search_steps": 3,
-        "compiler": "inductor",
-        "dtype": "bfloat16",
-        "device": "cuda",
-        "deadline_s": 330.0,
-    },
-}
-DEFAULTS = {
-    "layers": None,
-    "autocast": "none",
-    "batch_size": 1,
-    "profiled_steps": 2,
-    "budget_mib": None,
-    "granularity": 128,
-    "search_steps": 3,
-    "search_tolerance": 0.1,
-    "deadline_s": 0.0,
-    "threads": 1,
-    "nproc": None,
-}
-REFERENCE_METHOD = "ulysses"  # step-time ratios are against hand-written Ulysses
-PAIRED_REFERENCES = (REFERENCE_METHOD, "sp")  # per-round ratios are kept against these
+from benchmarks.suites import DEFAULTS, PAIRED_REFERENCES, SUITES
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -545,62 +462,6 @@ class Worker:
                 break
         result.update(max_len=lo, first_over=hi)
         return result
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    import torch
-
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
-def next_candidate(
-    points: dict[int, float], budget: float, granularity: int, tolerance: float, cap: int | None
-) -> int | None:
-    """The next length to measure: between the longest under and the shortest over ``budget``.
-
-    Interpolates the measured peaks linearly (memory grows about linearly with length here); beyond the
-    measured range it extrapolates from the two nearest points (at most 4x, at least 2x when going down).
-    None when the bracket is within ``tolerance`` or one ``granularity`` step, or at the model's ``cap``.
-
-    Peaks grow a little faster than linearly at long lengths (at sp=4 an 8-layer GPT's bytes per token rise
-    from 5.7 KB between 2048 and 4096 tokens to 7.1 KB between 4096 and 5120), so a line through two points
-    under-predicts beyond them and a search of two steps ended just over the budget, with the longest fit a
-    step short of what it could have found. Going up, it therefore aims half the tolerance under the
-    budget; between two points the chord of a convex curve errs on the side that fits already.
-    """
-    under = sorted(s for s, peak in points.items() if peak <= budget)
-    over = sorted(s for s, peak in points.items() if peak > budget)
-    lo, hi = (under[-1] if under else None), (over[0] if over else None)
-    if lo is not None and hi is not None and hi <= lo * (1 + tolerance):
-        return None
-    if lo is not None and cap is not None and lo >= cap:
-        return None
-
-    def crossing(a: int, b: int, target: float = budget) -> float:
-        slope = (points[b] - points[a]) / (b - a)
-        return a + (target - points[a]) / slope if slope > 0 else float(b)
-
-    if lo is not None and hi is not None:
-        guess = crossing(lo, hi)
-    elif lo is not None:  # every point fits: extrapolate up, aiming short (see above)
-        guess = crossing(under[-2], lo, budget * (1 - tolerance / 2)) if len(under) > 1 else 2 * lo
-        guess = min(guess, 4 * lo)
-    else:  # nothing fits: extrapolate down
-        guess = crossing(hi, over[1]) if len(over) > 1 else hi / 2
-        guess = min(guess, hi / 2)
-    candidate = int(guess) // granularity * granularity
-    # Rounded onto a measured length, the guess says "about here": measure the neighbour inside the bracket.
-    if lo is not None:
-        candidate = max(candidate, lo + granularity)
-    if hi is not None:
-        candidate = min(candidate, hi - granularity)
-    if cap is not None:
-        candidate = min(candidate, cap)
-    if candidate <= 0 or candidate in points:
-        return None
-    if (lo is not None and candidate <= lo) or (hi is not None and candidate >= hi):
-        return None
-    return candidate
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, MiB, code_version, machine_info, write_report
-from benchmarks.run import SUITES
 from benchmarks.run import parse_args as parse_launch
+from benchmarks.suites import SUITES
 
 # name -> benchmarks.run arguments; sp is every rank (one sp group). The budget shrinks with the bytes per
 # token of a rank (half in bf16, half again at sp=4) so that every configuration searches about the same

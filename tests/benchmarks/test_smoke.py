@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import report as report_module
-from benchmarks.run import next_candidate
+from benchmarks.length_search import next_candidate
 from tests.launch import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
