@@ -66,6 +66,12 @@ def summarize(model_name: str, method: str, per_rank: list[dict], report: dict) 
     summary["peak_bytes"] = {
         str(s): _max([r["lengths"][str(s)]["alloc_peak_bytes"] for r in per_rank]) for s in lengths
     }
+    lower = "alloc_peak_seen_frees_bytes"  # the peak without blocks freed off the profiled thread (CPU)
+    bounded = [s for s in lengths if all(lower in r["lengths"][str(s)] for r in per_rank)]
+    if bounded:
+        summary["peak_seen_frees_bytes"] = {
+            str(s): _max([r["lengths"][str(s)][lower] for r in per_rank]) for s in bounded
+        }
     summary["compile_s"] = {
         str(s): _max([_compile_s(r["lengths"][str(s)]) for r in per_rank]) for s in lengths
     }

@@ -16,7 +16,10 @@ What is measured, per model and method (every rank runs the same calls in the sa
 * at every sequence length of ``--seq-lens``: the first step (compiles; static shapes recompile per length,
   DeepSpeed's dynamic-shape graph does not), a steady step, and the peak memory of a step per rank: on
   CPU the high-water mark of the bytes the c10 CPU allocator handed out during the step and still held
-  (profiler allocation events, least of ``--profiled-steps`` steps; ``benchmarks/measure.py``), on GPU the
+  (profiler allocation events, least of ``--profiled-steps`` steps; ``benchmarks/measure.py``), an upper
+  bound: a block whose last reference gloo's worker thread drops has no free event and counts until its
+  address is allocated again, so each step's lower bound without such blocks is kept beside it
+  (``alloc_peak_seen_frees_bytes``; the search below decides on the upper one); on GPU the
   CUDA caching allocator's ``max_memory_allocated`` above the allocation at the step's start; and the
   bytes each rank passes to every collective, split into forward and backward (profiler events
   ``gloo:all_to_all``, ``nccl:all_reduce``, ...).

@@ -12,7 +12,7 @@ import threading
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.measure import cpu_allocation_peak, unseen_frees
+from benchmarks.measure import allocator_peak, cpu_allocation_peak, unseen_frees
 from benchmarks.peak_breakdown import live_at_peak
 
 MIB = 2**20
@@ -46,3 +46,14 @@ def test_a_block_freed_off_the_profiled_thread_is_left_out_of_the_lower_bound() 
     peak, _, blocks, _, allocations = live_at_peak(prof)
     assert peak == measured == sum(block["bytes"] for block in blocks)
     assert len(allocations) >= 4  # kept, handed and later allocated, later freed
+
+
+def test_allocator_peak_gives_each_steps_lower_bound_beside_its_peak() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    batch = torch.randn(512, 64)
+    figures = allocator_peak(lambda: model(batch).square().mean(), model, steps=2)
+    # One thread: every free has its event, so the bound leaves out only what the step still holds at its
+    # end besides the gradients (the loss).
+    assert len(figures["alloc_peak_seen_frees_bytes_all_steps"]) == 2
+    assert 0 < figures["alloc_peak_bytes"] - figures["alloc_peak_seen_frees_bytes"] <= 1024
+    assert figures["alloc_peak_bytes"] >= 3 * 512 * 256 * 4  # the hidden activations it saves
