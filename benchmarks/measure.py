@@ -222,6 +222,11 @@ def cpu_allocation_peak(profiler: Any, kept: Iterable[int] | None = None) -> int
     return allocation_peak(cpu_allocations(profiler), kept)
 
 
+def gradient_storages(model: Any) -> set[int]:
+    """Addresses of the storages of ``model``'s gradients: blocks a step leaves held at its end on purpose."""
+    return {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+
+
 def profiled_step(forward: Forward, backward: Backward = _plain_backward, model: Any = None) -> dict:
     """One step under the profiler: c10 CPU allocator high-water mark and the collectives it ran.
 
@@ -274,8 +279,7 @@ def profiled_step(forward: Forward, backward: Backward = _plain_backward, model:
         "loss": loss,
     }
     if model is not None:
-        gradients = [p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None]
-        figures["alloc_peak_seen_frees_bytes"] = allocation_peak(allocations, kept=gradients)
+        figures["alloc_peak_seen_frees_bytes"] = allocation_peak(allocations, kept=gradient_storages(model))
     return figures
 
 

@@ -64,6 +64,7 @@ from benchmarks.measure import (
     Allocation,
     allocation_peak,
     cpu_allocation,
+    gradient_storages,
     profile_events,
     replay,
 )
@@ -201,7 +202,7 @@ def measure(forward: Callable[[], Any], backward: Callable[[Any], None], model: 
         packed.clear()
         with record_function(BACKWARD_MARK):
             backward(loss)
-    grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    grads = gradient_storages(model)
     peak, peak_time, blocks, backward_start, allocations = live_at_peak(prof)
     figures = attribute(blocks, saved, grads, backward_start)
     phase = "backward" if backward_start is not None and peak_time >= backward_start else "forward"
