@@ -152,6 +152,22 @@ def cpu_allocation(event: Any) -> Allocation | None:
     return None
 
 
+def step_events(profiler: Any) -> tuple[dict[Allocation, Any], int | None, list[Any]]:
+    """One walk of a finished step's profile: its CPU allocator events (each under its ``cpu_allocation``),
+    the start of backward (the ``BACKWARD_MARK`` range, None without one) and its process-group events."""
+    allocations: dict[Allocation, Any] = {}
+    backward_start, collectives = None, []
+    for event in profile_events(profiler):
+        allocation = cpu_allocation(event)
+        if allocation is not None:
+            allocations[allocation] = event
+        elif event.name == BACKWARD_MARK:
+            backward_start = event.start_time_ns
+        elif _COLLECTIVE.match(event.name):
+            collectives.append(event)
+    return allocations, backward_start, collectives
+
+
 def _itemsize(dtype: Any) -> int:
     import torch
 
@@ -249,15 +265,8 @@ def profiled_step(forward: Forward, backward: Backward = _plain_backward, model:
         loss = forward()
         with record_function(BACKWARD_MARK):
             backward(loss)
-    allocations, ops, backward_start = [], [], None
-    for event in profile_events(prof):
-        allocation = cpu_allocation(event)
-        if allocation is not None:
-            allocations.append(allocation)
-        elif event.name == BACKWARD_MARK:
-            backward_start = event.start_time_ns
-        elif _COLLECTIVE.match(event.name):
-            ops.append(event)
+    events, backward_start, ops = step_events(prof)
+    allocations = list(events)
     peak = end_of_forward = 0
     for when, held in bytes_held(allocations):
         peak = max(peak, held)

@@ -63,10 +63,9 @@ from benchmarks.measure import (
     BACKWARD_MARK,
     Allocation,
     allocation_peak,
-    cpu_allocation,
     gradient_storages,
-    profile_events,
     replay,
+    step_events,
 )
 
 KINDS = (
@@ -127,14 +126,7 @@ def _allocating_op(path: list[str]) -> str:
 def live_at_peak(prof: Any) -> tuple[int, int, list[dict], int | None, list[Allocation]]:
     """(peak bytes, time of the peak, the blocks live then, start of backward, every CPU allocator event) of
     a finished profile; allocations and frees are matched by address (``benchmarks.measure.replay``)."""
-    events: dict[Allocation, Any] = {}
-    backward_start = None
-    for event in profile_events(prof):
-        allocation = cpu_allocation(event)
-        if allocation is not None:
-            events[allocation] = event
-        elif event.name == BACKWARD_MARK:
-            backward_start = event.start_time_ns
+    events, backward_start, _ = step_events(prof)
     peak = peak_time = 0
     snapshot: list[Allocation] = []
     for (when, _, _), _, held, live in replay(events):
