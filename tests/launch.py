@@ -1,4 +1,5 @@
-"""Launch a multi-process job with ``torchrun`` from a test, without leaving processes behind."""
+"""Launch a multi-process job with ``torchrun`` from a test, without leaving processes behind, and end its
+workers once their results are written."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 import pytest
+import torch.distributed as dist
 
 
 def free_port() -> int:
@@ -26,6 +29,24 @@ def kill_tree(process: subprocess.Popen) -> None:
     for child in [*psutil.Process(process.pid).children(recursive=True), process]:
         with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
             child.kill()
+
+
+def end_worker() -> NoReturn:
+    """End a worker whose results are on disk: wait for every rank, then leave without interpreter teardown.
+
+    torch keeps gloo groups alive past ``destroy_process_group`` (held from C++ once a functional collective
+    or FSDP has used them: on torch 2.13, weak references show the world and sub-groups alive after destroy
+    and ``gc.collect()``, in a plain script as in our workers), so they are destroyed and their threads joined
+    only as the process tears down, which can abort it (SIGABRT) after its work is done; two launches have
+    failed so (pytorch/pytorch#179291 describes it). The job's outcome is in its results; the exit code says
+    only that the worker got that far.
+    """
+    if dist.is_initialized():
+        dist.barrier()  # no rank closes its connections while another still waits on them
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def torchrun(ranks: int, script: Path, *args: str, timeout: float) -> tuple[int, str, float]:
@@ -51,8 +72,8 @@ def torchrun(ranks: int, script: Path, *args: str, timeout: float) -> tuple[int,
     return process.returncode, stderr, time.monotonic() - start
 
 
-def _wait_all(processes: list[subprocess.Popen], timeout: float, start: float) -> tuple[list[int], str]:
-    """Return codes and the stderr of every process; past ``timeout`` every process and child is killed."""
+def _wait_all(processes: list[subprocess.Popen], timeout: float, start: float) -> tuple[list[int], list[str]]:
+    """Return code and stderr of each process; past ``timeout`` every process and child is killed."""
     stderr = []
     try:
         for process in processes:
@@ -62,15 +83,25 @@ def _wait_all(processes: list[subprocess.Popen], timeout: float, start: float) -
         for process in processes:
             kill_tree(process)
         pytest.fail(f"the job hung: still running after {timeout:.0f} s")
-    return [process.returncode for process in processes], "\n".join(stderr)
+    return [process.returncode for process in processes], stderr
+
+
+def failures(codes: list[int], stderr: list[str], tail: int = 5000) -> str:
+    """The end of each failed process's stderr under its index and return code. A process that fails first
+    makes the others fail after it; joined output would show only the last one's end, not the cause."""
+    return "\n".join(
+        f"----- process {index}: return code {code} -----\n{err[-tail:]}"
+        for index, (code, err) in enumerate(zip(codes, stderr, strict=True))
+        if code != 0
+    )
 
 
 def torchrun_nodes(
     nodes: int, ranks_per_node: int, script: Path, *args: str, timeout: float
-) -> tuple[list[int], str, float]:
+) -> tuple[list[int], list[str], float]:
     """One ``torchrun --nnodes=nodes --node_rank=k`` per "node", all on this machine (static rendezvous).
 
-    (return code per node, stderr, seconds); the same no-orphans rule as :func:`torchrun`.
+    (return code and stderr per node, seconds); the same no-orphans rule as :func:`torchrun`.
     """
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -102,11 +133,11 @@ def torchrun_nodes(
 
 def slurm_tasks(
     nodes: int, tasks_per_node: int, script: Path, *args: str, timeout: float
-) -> tuple[list[int], str, float]:
+) -> tuple[list[int], list[str], float]:
     """One process per task, with the environment ``srun`` gives it (``--nodes``, ``--ntasks-per-node``).
 
     Lightning's ``SLURMEnvironment`` reads ranks from these variables; MASTER_ADDR/MASTER_PORT are set as an
-    sbatch script does. (return code per task, stderr, seconds).
+    sbatch script does. (return code and stderr per task, seconds).
     """
     world = nodes * tasks_per_node
     torchrun_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"}

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.models import TinyGPT  # noqa: E402
 from lightning_autosp import AutoSPStrategy  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 
 # 24 layers of width 512: 75.6M parameters, 302 MB in fp32; the largest module (an MLP's first
 # projection) is 4 MB, so the whole model dominates what setup holds besides its shard.
@@ -141,8 +142,7 @@ def main() -> None:
             results[name] = {"error": f"{type(error).__name__}: {error}"}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

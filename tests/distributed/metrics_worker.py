@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_autosp import AutoSPStrategy  # noqa: E402
 from tests.distributed.modules import VOCAB, TinyGPT  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 
 LENGTHS = (25, 27)  # odd: uneven shards (13 + 12, 14 + 13); one length class, so one compile per step
 STEPS = 2
@@ -180,8 +181,7 @@ def main() -> None:
         sharded = {"error": f"{type(error).__name__}: {error}"}
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"reference": reference, "sp": sharded}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from tests.distributed.parity_worker import (  # noqa: E402
     one_step_trainer,
     single_device_reference,
 )
+from tests.launch import end_worker  # noqa: E402
 
 
 def run(name: str, num_nodes: int, devices: int) -> dict:
@@ -90,11 +91,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK") or os.environ["SLURM_PROCID"]
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        # Joined here rather than by the process group's destructor at interpreter exit, which can
-        # abort ("terminate called without an active exception") while gloo's threads still run.
-        dist.destroy_process_group()
+    end_worker()
 
 
 if __name__ == "__main__":

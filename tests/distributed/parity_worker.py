@@ -55,6 +55,7 @@ from tests.distributed.user_modules import (  # noqa: E402
     SlicedTableGPT,
 )
 from tests.flash_stand_in import flash_attn_stand_in  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 
 
 @dataclass
@@ -408,9 +409,8 @@ def main() -> None:
         results[name]["seconds"] = round(time.monotonic() - start, 1)  # where a launch's time goes
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
     flash_ops.close()
-    dist.destroy_process_group()  # gloo's threads joined now, not by a destructor at exit
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import slurm_tasks, torchrun_nodes
+from tests.launch import failures, slurm_tasks, torchrun_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -38,7 +38,7 @@ def torchrun_two_nodes(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("torchrun_nodes")
     args = ["--out", str(out), "--num-nodes", "2", "--devices", "2", "--cases", "fsdp_dp2_sp2"]
     codes, stderr, _ = torchrun_nodes(2, 2, WORKER, *args, timeout=900)
-    assert codes == [0, 0], stderr[-6000:]
+    assert codes == [0, 0], failures(codes, stderr)
     return results(out, 4, "fsdp_dp2_sp2")
 
 
@@ -47,7 +47,7 @@ def slurm_two_nodes(tmp_path_factory) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("slurm_nodes")
     args = ["--out", str(out), "--num-nodes", "2", "--devices", "1", "--cases", "gpt_shift"]
     codes, stderr, _ = slurm_tasks(2, 1, WORKER, *args, timeout=900)
-    assert codes == [0, 0], stderr[-6000:]
+    assert codes == [0, 0], failures(codes, stderr)
     return results(out, 2, "gpt_shift")
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_autosp import verify  # noqa: E402
 from lightning_autosp.compiler import backend as backend_module  # noqa: E402
 from lightning_autosp.compiler.sp_pass import SPReport  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 from tests.zoo.families import BATCH_SIZE, EVEN_LENGTH, FAMILIES, ODD_LENGTH, Family  # noqa: E402
 
 # A run that leaves a rank waiting fails after this, not torch's 30 minutes.
@@ -159,8 +160,7 @@ def main() -> None:
             "wall_s": round(time.monotonic() - started, 1),
         }
         Path(args.out).write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()  # gloo's threads joined now, not by a destructor at exit
+    end_worker()
 
 
 if __name__ == "__main__":
