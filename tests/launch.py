@@ -31,8 +31,9 @@ def kill_tree(process: subprocess.Popen) -> None:
             child.kill()
 
 
-def end_worker() -> NoReturn:
-    """End a worker whose results are on disk: wait for every rank, then leave without interpreter teardown.
+def end_worker(barrier: bool = True) -> NoReturn:
+    """End a worker whose results are on disk: wait for every rank (unless ``barrier=False``, for a worker
+    whose last check may leave the group unusable), then leave without interpreter teardown.
 
     torch keeps gloo groups alive past ``destroy_process_group`` (held from C++ once a functional collective
     or FSDP has used them: on torch 2.13, weak references show the world and sub-groups alive after destroy
@@ -42,7 +43,8 @@ def end_worker() -> NoReturn:
     only that the worker got that far.
     """
     if dist.is_initialized():
-        dist.barrier()  # no rank closes its connections while another still waits on them
+        if barrier:
+            dist.barrier()  # no rank closes its connections while another still waits on them
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -56,6 +56,7 @@ from lightning_autosp import AutoSPStrategy  # noqa: E402
 from lightning_autosp.fsdp import local_state_bytes  # noqa: E402
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule  # noqa: E402
 from tests.distributed.parity_worker import Case, run_case  # noqa: E402
+from tests.launch import end_worker  # noqa: E402
 from tests.reliability.agreement_checks import check_agreement, check_same_sample  # noqa: E402
 
 # Any check that leaves a rank waiting fails after this, not torch's 30 min; no shorter, so that one rank
@@ -604,6 +605,7 @@ def main() -> None:
             results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
         results.setdefault("seconds", {})[name] = time.monotonic() - start
         (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+    end_worker(barrier=False)  # ambiguous_shard, last, may leave a rank's collective timed out
 
 
 if __name__ == "__main__":
