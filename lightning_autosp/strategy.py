@@ -299,10 +299,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        # An undestroyed gloo group's threads can abort the process at interpreter exit
-        # (pytorch/pytorch#190489); Lightning registers its exit handler for NCCL groups only. This drops
-        # Python's references; a group torch still holds from C++ (after a functional collective or FSDP,
-        # measured on torch 2.13) outlives it, so a CPU run can still abort at exit after finishing.
+        # An undestroyed gloo group's threads can abort the process at exit (pytorch/pytorch#190489), and
+        # Lightning's exit handler is for NCCL only. A group torch holds in C++ outlives it (README: Limits).
         atexit.unregister(_destroy_dist_connection)  # once per process, however many Trainer runs
         atexit.register(_destroy_dist_connection)
         if self._sp_size is not None or not self._auto_sp:
