@@ -11,13 +11,13 @@ N parameters, W = devices (dp x sp ranks).
 
 The per-step memory model, by component, is ``memory_model.py`` (Note [What is saved for backward],
 Note [Step peak]); what sequence parallelism sends, ring attention included, is ``sp_cost.py``; the
-model's shapes are ``model_shapes.py``. This module chooses among setups and prints plans.
+model's shapes are ``model_shapes.py``. This module chooses among setups and prints plans; its
+command line is ``planner_cli.py`` (``python -m lightning_autosp.planner_cli``).
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,11 +38,8 @@ from lightning_autosp.memory_model import (
 )
 from lightning_autosp.model_shapes import LLAMA_3_1_8B, LLAMA_3_1_70B, ModelShape, model_shape
 from lightning_autosp.sp_cost import (
-    Throughput,
     UlyssesDegree,
-    comm_seconds,
     sp_layout,
-    step_flops,
 )
 
 __all__ = [
@@ -88,14 +85,14 @@ class PlanOption:
     def describe(self) -> str:
         """One line: the setup, its peak by component, the longest sequence it fits and what it sends."""
         s, m = self.setup, self.memory
-        parts = ", ".join(f"{name} {_gib(value)}" for name, value in m.items() if name != "total" and value)
+        parts = ", ".join(f"{name} {in_gib(value)}" for name, value in m.items() if name != "total" and value)
         node = "inside a node" if self.sp_within_node else "across nodes"
-        ring_bytes = _gib(self.ring_bytes_per_step)
+        ring_bytes = in_gib(self.ring_bytes_per_step)
         ring = f"; ring K/V {ring_bytes} GiB/step/rank" if s.layout.ring_degree > 1 else ""
         return (
             f"sp_size={s.layout.describe()} x dp={s.dp_size} ({s.data_parallel}, sac={s.sac}, "
-            f"{s.precision}): peak {_gib(m.total)} of {_gib(self.usable_bytes)} GiB usable ({parts}); "
-            f"longest sequence {self.max_seq_len} tokens; all-to-alls {_gib(self.a2a_bytes_per_step)} "
+            f"{s.precision}): peak {in_gib(m.total)} of {in_gib(self.usable_bytes)} GiB usable ({parts}); "
+            f"longest sequence {self.max_seq_len} tokens; all-to-alls {in_gib(self.a2a_bytes_per_step)} "
             f"GiB/step/rank{ring}, sp group {node}"
         )
 
@@ -124,9 +121,9 @@ class Plan:
         first = self.options[0].setup if self.options else None
         header = (
             f"**{self.shape.name or 'model'}** ({self.shape.param_count / 1e9:.2f}B params), "
-            f"{_tokens(self.seq_len)} tokens x {first.batch_size if first else 1}, {self.devices} devices "
-            f"({self.gpus_per_node} per node), {_gib(self.memory_per_device)} GiB each, "
-            f"{_gib(self.usable_bytes)} GiB usable, {first.precision if first else ''}; GiB per rank"
+            f"{as_tokens(self.seq_len)} tokens x {first.batch_size if first else 1}, {self.devices} devices "
+            f"({self.gpus_per_node} per node), {in_gib(self.memory_per_device)} GiB each, "
+            f"{in_gib(self.usable_bytes)} GiB usable, {first.precision if first else ''}; GiB per rank"
         )
         names = [f.name for f in fields(MemoryBreakdown) if f.type in (int, "int")]
         sends = ["a2a GiB/step", "ring GiB/step"]
@@ -144,12 +141,12 @@ class Plan:
                 str(o.setup.dp_size),
                 "on" if o.setup.sac else "off",
                 o.setup.data_parallel,
-                *(_gib(getattr(o.memory, name)) for name in names),
-                f"**{_gib(o.memory.total)}**",
+                *(in_gib(getattr(o.memory, name)) for name in names),
+                f"**{in_gib(o.memory.total)}**",
                 "yes" if o.fits else "no",
-                _tokens(o.max_seq_len) if o.max_seq_len else "-",
-                _gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " (crosses nodes)"),
-                _gib(o.ring_bytes_per_step),
+                as_tokens(o.max_seq_len) if o.max_seq_len else "-",
+                in_gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " (crosses nodes)"),
+                in_gib(o.ring_bytes_per_step),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
@@ -160,7 +157,7 @@ class Plan:
     def __rich__(self) -> Any:
         from rich.table import Table
 
-        table = Table(title=f"Per-rank memory, GiB: {self.shape.name}, {_tokens(self.seq_len)} tokens")
+        table = Table(title=f"Per-rank memory, GiB: {self.shape.name}, {as_tokens(self.seq_len)} tokens")
         columns = ["sp", "dp", "SAC", "dp kind", "params", "grads", "optim", "comm", "saved", "mask"]
         for column in [*columns, "workspace", "peak", "fits", "max seq", "a2a GiB/step", "ring GiB/step"]:
             table.add_column(column, justify="right")
@@ -171,24 +168,26 @@ class Plan:
                 str(o.setup.dp_size),
                 "on" if o.setup.sac else "off",
                 o.setup.data_parallel,
-                *(_gib(v) for v in (m.params, m.grads, m.optimizer, m.comm_buffers, m.activations)),
-                _gib(m.attention_mask),
-                _gib(m.workspace),
-                _gib(m.total),
+                *(in_gib(v) for v in (m.params, m.grads, m.optimizer, m.comm_buffers, m.activations)),
+                in_gib(m.attention_mask),
+                in_gib(m.workspace),
+                in_gib(m.total),
                 "[green]yes[/]" if o.fits else "[red]no[/]",
-                _tokens(o.max_seq_len) if o.max_seq_len else "-",
-                _gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " *"),
-                _gib(o.ring_bytes_per_step),
+                as_tokens(o.max_seq_len) if o.max_seq_len else "-",
+                in_gib(o.a2a_bytes_per_step) + ("" if o.sp_within_node else " *"),
+                in_gib(o.ring_bytes_per_step),
             )
         return table
 
 
-def _gib(n: float) -> str:
+def in_gib(n: float) -> str:
+    """Bytes as GiB for a table cell: one decimal from 10 GiB up, three significant digits below."""
     value = n / GiB
     return f"{value:.1f}" if value >= 10 or value == 0 else f"{value:.3g}"
 
 
-def _tokens(n: int) -> str:
+def as_tokens(n: int) -> str:
+    """A token count as a table cell: 128K, 1M."""
     if n >= 2**20 and n % 2**20 == 0:
         return f"{n // 2**20}M"
     return f"{n / 1024:.0f}K" if n >= 1024 else str(n)
@@ -375,8 +374,8 @@ def choose_sp_size(
     hints.append("more devices or a shorter max_seq_len")
     raise ValueError(
         f"No sp_size fits a {seq_len}-token step of {result.shape.name or 'the model'} on {devices} devices "
-        f"with {_gib(result.usable_bytes)} GiB usable each (sac={sac}, data_parallel={data_parallel!r}, "
-        f"precision={precision!r}): the smallest needs {_gib(smallest.memory.total)} GiB at "
+        f"with {in_gib(result.usable_bytes)} GiB usable each (sac={sac}, data_parallel={data_parallel!r}, "
+        f"precision={precision!r}): the smallest needs {in_gib(smallest.memory.total)} GiB at "
         f"sp={smallest.setup.sp_size}. Longest sequence per sp_size: {longest}. Try {', '.join(hints)}."
     )
 
@@ -450,111 +449,7 @@ def auto_sp_size(
     return chosen
 
 
-# --------------------------------------------------------------------------------------------------
-# command line: python -m lightning_autosp.planner --table
+if __name__ == "__main__":  # the command line's older name; planner_cli runs without runpy's warning
+    from lightning_autosp.planner_cli import main
 
-GPUS = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20}  # total memory as CUDA reports it
-
-
-def comm_share(
-    shape: ModelShape, setup: Setup, seq_len: int, gpus_per_node: int, rates: Throughput = Throughput()
-) -> float:
-    """Time of the all-to-alls and the ring's sends over compute time per step, as if they did not
-    overlap compute (``sp_cost.comm_seconds``)."""
-    if setup.sp_size == 1:
-        return 0.0
-    sent = comm_seconds(
-        a2a_bytes_per_step(shape, setup, seq_len),
-        ring_bytes_per_step(shape, setup, seq_len),
-        setup.layout,
-        gpus_per_node,
-        rates,
-    )
-    flops = step_flops(shape, seq_len, setup.batch_size, setup.sp_size, setup.sac)
-    return sent / (flops / (rates.flops * rates.mfu))
-
-
-def readme_table(
-    models: Sequence[ModelShape] = (LLAMA_3_1_8B, LLAMA_3_1_70B),
-    seq_lens: Sequence[int] = (2**17, 2**18, 2**19, 2**20),
-    device_counts: Sequence[int] = (8, 64, 1024),
-    gpus: Mapping[str, int] = GPUS,
-    gpus_per_node: int = 8,
-    fsdp_gather: FSDPGather = "per_use",
-    ulysses_degree: UlyssesDegree = None,
-) -> str:
-    """Per (model, tokens, GPUs) and GPU memory: the smallest sp that fits (SAC, chunked loss,
-    bf16-mixed, FSDP), its peak, the bytes it sends (all-to-alls, and the ring's with ``ulysses_degree``)
-    and their time against compute."""
-    columns = ["model", "tokens", "GPUs"]
-    ring = ulysses_degree is not None
-    for name in gpus:
-        columns += [f"{name}: sp", "peak GiB", "a2a GiB/step/rank"]
-        columns += ["ring GiB/step/rank", "comm / compute"] if ring else ["a2a / compute"]
-    lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
-    for shape in models:
-        for seq_len in seq_lens:
-            for devices in device_counts:
-                cells = [shape.name, _tokens(seq_len), str(devices)]
-                for memory in gpus.values():
-                    result = plan(
-                        shape,
-                        seq_len,
-                        devices,
-                        memory,
-                        sac=True,
-                        data_parallel="fsdp",
-                        gpus_per_node=gpus_per_node,
-                        fsdp_gather=fsdp_gather,
-                        ulysses_degree=ulysses_degree,
-                    )
-                    best = result.best()
-                    if best is None:
-                        top = max(result.options, key=lambda o: (o.max_seq_len, -o.setup.sp_size))
-                        longest = f"max {_tokens(top.max_seq_len)} at sp={top.setup.sp_size}"
-                        cells += [f"no ({longest if top.max_seq_len else 'no sp fits'})"]
-                        cells += ["-"] * (4 if ring else 3)
-                        continue
-                    share = comm_share(shape, best.setup, seq_len, gpus_per_node)
-                    sp = best.setup.layout.describe() + ("" if best.sp_within_node else " *")
-                    cells += [sp, _gib(best.memory.total), _gib(best.a2a_bytes_per_step)]
-                    cells += [_gib(best.ring_bytes_per_step)] if ring else []
-                    cells += [f"{share:.1%}"]
-                lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Per-rank memory plan for AutoSPStrategy.")
-    parser.add_argument("--table", action="store_true", help="print the README table (Llama 3.1 8B/70B)")
-    parser.add_argument("--fsdp-gather", choices=("per_use", "per_step"), default="per_use")
-    parser.add_argument("--model", choices=("8b", "70b"), default="8b")
-    parser.add_argument("--seq-len", type=int, default=2**17)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--memory-gib", type=float, default=GPUS["H100 80GB"] / GiB)
-    parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument(
-        "--ulysses-degree",
-        type=lambda value: value if value == "auto" else int(value),
-        default=None,
-        help="'auto' or an int: plan sp beyond the heads with ring attention (default: all Ulysses)",
-    )
-    args = parser.parse_args(argv)
-    if args.table:
-        print(readme_table(fsdp_gather=args.fsdp_gather, ulysses_degree=args.ulysses_degree))
-        return
-    shape = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}[args.model]
-    result = plan(
-        shape,
-        args.seq_len,
-        args.devices,
-        args.memory_gib * GiB,
-        precision=args.precision,
-        fsdp_gather=args.fsdp_gather,
-        ulysses_degree=args.ulysses_degree,
-    )
-    print(result.to_markdown())
-
-
-if __name__ == "__main__":
     main()

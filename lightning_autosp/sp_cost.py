@@ -21,8 +21,8 @@ Note [Ring attention costs]
       the larger of the two as ``ring_buffers``, on top of a layer's backward workspace.
 
     The ring's sends overlap the block computations (each hop is started before the block in hand is
-    computed); :func:`comm_share` counts them as if they did not, an upper bound. A ring step waits
-    for its slowest hop, so a ring that spans nodes runs at the network's rate.
+    computed); :func:`planner_cli.comm_share` counts them as if they did not, an upper bound. A ring step
+    waits for its slowest hop, so a ring that spans nodes runs at the network's rate.
 """
 
 from __future__ import annotations

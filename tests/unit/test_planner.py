@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import lightning as L
@@ -28,10 +30,10 @@ from lightning_autosp.planner import (
     choose_sp_size,
     max_seq_len,
     model_shape,
-    readme_table,
     saved_activations,
     step_memory,
 )
+from lightning_autosp.planner_cli import readme_table
 from lightning_autosp.sp_cost import SPLayout, a2a_bytes, ring_bytes
 from tests.unit.sp_graphs import ThreadedComm, run_ranks
 
@@ -206,6 +208,14 @@ def test_plan_renders_and_flags_sp_groups_across_nodes() -> None:
     assert result.__rich__().row_count == len(result.options)
     table = readme_table(seq_lens=(2**17,), device_counts=(64,))
     assert table.count("\n") == 3 and "| Llama-3.1-70B | 128K | 64 | 16 * |" in table  # * spans nodes
+
+
+def test_the_command_line_prints_a_plan_without_warnings() -> None:
+    command = [sys.executable, "-m", "lightning_autosp.planner_cli", "--seq-len", "131072"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("**Llama-3.1-8B**")
+    assert "found in sys.modules" not in done.stderr, done.stderr  # runpy's warning for `-m planner`
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Command line of the memory planner (``python -m lightning_autosp.planner_cli``): one plan, or README's
+table of the smallest sp that fits Llama 3.1 8B/70B per length, GPU count and GPU memory (``--table``).
+
+A module of its own because the package imports ``planner``: run as ``-m``, a module the package has already
+imported draws runpy's warning that it may behave unpredictably."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+
+from lightning_autosp.fsdp import FSDPGather
+from lightning_autosp.planner import (
+    LLAMA_3_1_8B,
+    LLAMA_3_1_70B,
+    GiB,
+    ModelShape,
+    Setup,
+    a2a_bytes_per_step,
+    as_tokens,
+    in_gib,
+    plan,
+    ring_bytes_per_step,
+)
+from lightning_autosp.sp_cost import Throughput, UlyssesDegree, comm_seconds, step_flops
+
+GPUS = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20}  # total memory as CUDA reports it
+
+
+def comm_share(
+    shape: ModelShape, setup: Setup, seq_len: int, gpus_per_node: int, rates: Throughput = Throughput()
+) -> float:
+    """Time of the all-to-alls and the ring's sends over compute time per step, as if they did not
+    overlap compute (``sp_cost.comm_seconds``)."""
+    if setup.sp_size == 1:
+        return 0.0
+    sent = comm_seconds(
+        a2a_bytes_per_step(shape, setup, seq_len),
+        ring_bytes_per_step(shape, setup, seq_len),
+        setup.layout,
+        gpus_per_node,
+        rates,
+    )
+    flops = step_flops(shape, seq_len, setup.batch_size, setup.sp_size, setup.sac)
+    return sent / (flops / (rates.flops * rates.mfu))
+
+
+def readme_table(
+    models: Sequence[ModelShape] = (LLAMA_3_1_8B, LLAMA_3_1_70B),
+    seq_lens: Sequence[int] = (2**17, 2**18, 2**19, 2**20),
+    device_counts: Sequence[int] = (8, 64, 1024),
+    gpus: Mapping[str, int] = GPUS,
+    gpus_per_node: int = 8,
+    fsdp_gather: FSDPGather = "per_use",
+    ulysses_degree: UlyssesDegree = None,
+) -> str:
+    """Per (model, tokens, GPUs) and GPU memory: the smallest sp that fits (SAC, chunked loss,
+    bf16-mixed, FSDP), its peak, the bytes it sends (all-to-alls, and the ring's with ``ulysses_degree``)
+    and their time against compute."""
+    columns = ["model", "tokens", "GPUs"]
+    ring = ulysses_degree is not None
+    for name in gpus:
+        columns += [f"{name}: sp", "peak GiB", "a2a GiB/step/rank"]
+        columns += ["ring GiB/step/rank", "comm / compute"] if ring else ["a2a / compute"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
+    for shape in models:
+        for seq_len in seq_lens:
+            for devices in device_counts:
+                cells = [shape.name, as_tokens(seq_len), str(devices)]
+                for memory in gpus.values():
+                    result = plan(
+                        shape,
+                        seq_len,
+                        devices,
+                        memory,
+                        sac=True,
+                        data_parallel="fsdp",
+                        gpus_per_node=gpus_per_node,
+                        fsdp_gather=fsdp_gather,
+                        ulysses_degree=ulysses_degree,
+                    )
+                    best = result.best()
+                    if best is None:
+                        top = max(result.options, key=lambda o: (o.max_seq_len, -o.setup.sp_size))
+                        longest = f"max {as_tokens(top.max_seq_len)} at sp={top.setup.sp_size}"
+                        cells += [f"no ({longest if top.max_seq_len else 'no sp fits'})"]
+                        cells += ["-"] * (4 if ring else 3)
+                        continue
+                    share = comm_share(shape, best.setup, seq_len, gpus_per_node)
+                    sp = best.setup.layout.describe() + ("" if best.sp_within_node else " *")
+                    cells += [sp, in_gib(best.memory.total), in_gib(best.a2a_bytes_per_step)]
+                    cells += [in_gib(best.ring_bytes_per_step)] if ring else []
+                    cells += [f"{share:.1%}"]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Per-rank memory plan for AutoSPStrategy.")
+    parser.add_argument("--table", action="store_true", help="print the README table (Llama 3.1 8B/70B)")
+    parser.add_argument("--fsdp-gather", choices=("per_use", "per_step"), default="per_use")
+    parser.add_argument("--model", choices=("8b", "70b"), default="8b")
+    parser.add_argument("--seq-len", type=int, default=2**17)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--memory-gib", type=float, default=GPUS["H100 80GB"] / GiB)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument(
+        "--ulysses-degree",
+        type=lambda value: value if value == "auto" else int(value),
+        default=None,
+        help="'auto' or an int: plan sp beyond the heads with ring attention (default: all Ulysses)",
+    )
+    args = parser.parse_args(argv)
+    if args.table:
+        print(readme_table(fsdp_gather=args.fsdp_gather, ulysses_degree=args.ulysses_degree))
+        return
+    shape = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}[args.model]
+    result = plan(
+        shape,
+        args.seq_len,
+        args.devices,
+        args.memory_gib * GiB,
+        precision=args.precision,
+        fsdp_gather=args.fsdp_gather,
+        ulysses_degree=args.ulysses_degree,
+    )
+    print(result.to_markdown())
+
+
+if __name__ == "__main__":
+    main()
