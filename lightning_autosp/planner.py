@@ -37,10 +37,7 @@ from lightning_autosp.memory_model import (
     step_memory,
 )
 from lightning_autosp.model_shapes import LLAMA_3_1_8B, LLAMA_3_1_70B, ModelShape, model_shape
-from lightning_autosp.sp_cost import (
-    UlyssesDegree,
-    sp_layout,
-)
+from lightning_autosp.sp_cost import UlyssesDegree, sp_layout
 
 __all__ = [
     "LLAMA_3_1_70B",
