@@ -19,7 +19,7 @@ Note [Proving a graph exact]
       without a rule. The error names the op, the user's source line and the fix.
 
     Nothing is rewritten before the whole graph has been proven; then the rewrite families
-    (``sp_pass.py``) change exactly what the plan lists.
+    (``sp_pass.py``) change exactly what the plan (``plan.py``) lists.
 
 Note [Redistribution]
     A rule may state the layout it needs of an input (``Analysis.need``) instead of taking the one it
@@ -44,10 +44,7 @@ Note [Redistribution]
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 import sympy
 import torch
@@ -56,79 +53,12 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import find_flash_attention
-from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name, source_line
+from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name
 from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag, shard
+from lightning_autosp.compiler.plan import Plan, Redistribution, Refusal
 from lightning_autosp.compiler.rules import RULES, dispatch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    node: fx.Node | None
-    reason: str
-    fix: str
-    where: str | None = None  # instead of the node's op and source line
-
-    def __str__(self) -> str:
-        where = self.where or f"{op_name(self.node)} at {source_line(self.node)}"
-        return f"- {where}: {self.reason}. {self.fix}"
-
-
-Move = Literal["all_to_all", "all_reduce", "recompute", "narrow"]
-
-
-@dataclass(frozen=True)
-class Redistribution:
-    """``user`` needs ``value`` in layout ``target`` (Note [Redistribution])."""
-
-    value: fx.Node
-    user: fx.Node
-    source: Layout
-    target: Layout
-    via: Move
-
-    @property
-    def collective(self) -> str:
-        return {
-            "all_to_all": "all-to-all",
-            "all_reduce": "all-reduce",
-            "recompute": "all-gather of its token inputs (recomputed whole)",
-            "narrow": "none (this rank's block, cut locally)",
-        }[self.via]
-
-    def bytes(self) -> int:
-        """What this rank holds of the value before the move (the all-to-all sends (P-1)/P of it)."""
-        value = meta_value(self.value)
-        if not isinstance(value, torch.Tensor):
-            return 0
-        return math.prod(symbols.hint(size) or 1 for size in value.shape) * value.element_size()
-
-    def __str__(self) -> str:
-        return (
-            f"{self.value.name} {self.source} -> {self.target} for {op_name(self.user)} at "
-            f"{source_line(self.user)}: {self.collective}, {self.bytes()} bytes"
-        )
-
-
-@dataclass
-class Plan:
-    """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
-
-    attention: list[fx.Node] = field(default_factory=list)  # SDPA / flash-attn calls
-    positions: list[fx.Node] = field(default_factory=list)  # arange(S_r) -> this rank's positions
-    tables: list[fx.Node] = field(default_factory=list)  # table[:S_r] -> rows at this rank's positions
-    slices: list[fx.Node] = field(default_factory=list)  # slices / narrows / right pads along the sequence
-    recompute: list[fx.Node] = field(default_factory=list)  # token data mixed along the sequence
-    reductions: list[fx.Node] = field(default_factory=list)  # means over the sequence -> sum / global count
-    extrema: list[fx.Node] = field(default_factory=list)  # amax / amin over the sequence -> all-reduce
-    losses: list[fx.Node] = field(default_factory=list)  # cross_entropy / nll_loss mean -> global mean
-    redistributions: list[Redistribution] = field(default_factory=list)  # Note [Redistribution]
-    split_shapes: dict[fx.Node, None] = field(default_factory=dict)  # views of split values: local sizes
-    selections: list[fx.Node] = field(default_factory=list)  # positions picked along the sequence -> partial
-    split_convolutions: dict[fx.Node, int] = field(default_factory=dict)  # -> its groups on this rank
-    value_sizes: dict[tuple[fx.Node, fx.Node], None] = field(default_factory=dict)  # (user, size) as values
-    global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
 
 
 class Analysis:

@@ -20,9 +20,10 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler import ops
-from lightning_autosp.compiler.analysis import Analysis, Redistribution
+from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import bind, meta_value, with_sizes
+from lightning_autosp.compiler.plan import Redistribution
 from lightning_autosp.compiler.recompute import GlobalCopier
 from lightning_autosp.compiler.rules.products import conv_signature
 
