@@ -1,0 +1,90 @@
+"""The package's shape: its import graph has no cycle and no module grows much past 500 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_autosp"
+MAX_LINES = 550  # "no module much over 500 lines"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runs_on_import(node: ast.If) -> bool:
+    """False for ``if TYPE_CHECKING:`` and ``if __name__ == "__main__":``, whose bodies import never runs."""
+    test = ast.unparse(node.test)
+    return "TYPE_CHECKING" not in test and "__main__" not in test
+
+
+def _imported(tree: ast.AST, modules: set[str]) -> set[str]:
+    """Package modules a module imports anywhere that an import of it can reach (functions included)."""
+    found: set[str] = set()
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and not _runs_on_import(node):
+            pending.extend(node.orelse)
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+            # ``from package import module`` names a module; ``from module import name`` the module itself
+            found.update(
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                for a in node.names
+            )
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    return {name: _imported(ast.parse(path.read_text()), modules) - {name} for name, path in paths.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = "open"
+        path = path + [module]
+        for dependency in sorted(graph[module]):
+            if state.get(dependency) == "open":
+                return path[path.index(dependency) :] + [dependency]
+            if dependency not in state and (cycle := visit(dependency, path)):
+                return cycle
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module, [])):
+            return cycle
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = _import_graph()
+    assert (
+        "lightning_autosp.compiler.analysis" in graph["lightning_autosp.compiler.sp_pass"]
+    )  # the walk sees imports
+    cycle = _cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_a_cycle_is_found() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_grows_much_past_500_lines() -> None:
+    long = {
+        str(path.relative_to(PACKAGE.parent)): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these modules by what they do: {long}"
