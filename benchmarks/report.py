@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, MiB
+from benchmarks.paired import slowest_rank_interval
 from benchmarks.suites import PAIRED_REFERENCES, REFERENCE_METHOD
 from lightning_autosp.extras import require
 
@@ -122,6 +123,7 @@ def assemble(report: dict, gathered: list[dict] | None) -> dict:
             summaries.append(summarize(model_name, method, per_rank, report))
     by_key = {(s["model"], s["method"]): s for s in summaries}
     for s in summaries:
+        _paired_intervals(s, [g["results"][s["model"]] for g in gathered])
         ref = by_key.get((s["model"], REFERENCE_METHOD), {})
         if s.get("median_step_s") and ref.get("median_step_s"):
             s["time_ratio_vs_ulysses"] = s["median_step_s"] / ref["median_step_s"]
@@ -133,6 +135,18 @@ def assemble(report: dict, gathered: list[dict] | None) -> dict:
     report["summary"] = summaries
     report["targets"] = targets(report)
     return report
+
+
+def _paired_intervals(summary: dict, per_rank: list[dict]) -> None:
+    """Each paired ratio's 95% interval, from the per-round step times (``benchmarks.paired``)."""
+    for reference in PAIRED_REFERENCES:
+        timed = [r.get(m, {}).get("timing") for r in per_rank for m in (summary["method"], reference)]
+        if summary["method"] == reference or not all(timed):
+            continue
+        pairs = [(t["step_times_s"], ref["step_times_s"]) for t, ref in zip(timed[::2], timed[1::2])]
+        _, interval = slowest_rank_interval(pairs)
+        if interval is not None:
+            summary[f"paired_interval_vs_{reference}"] = list(interval)
 
 
 def targets(report: dict) -> list[dict]:
@@ -220,6 +234,11 @@ def _x(r: float | None) -> str:
     return "—" if r is None else f"{r:.2f}x"
 
 
+def interval_text(interval: list[float] | None) -> str:
+    """A paired ratio's 95% interval, to follow the ratio (nothing when there is none)."""
+    return "" if not interval else f"; {interval[0]:.2f}-{interval[1]:.2f}"
+
+
 def _err(e: float | None) -> str:
     return "—" if e is None else f"{e:.1e}"
 
@@ -267,7 +286,8 @@ def table_rows(report: dict) -> list[str]:
         step = "—" if s.get("median_step_s") is None else f"{s['median_step_s'] * 1e3:.0f}"
         ratio = _x(s.get("time_ratio_vs_ulysses"))
         if s.get("paired_ratio_vs_ulysses") is not None:
-            ratio += f" ({s['paired_ratio_vs_ulysses']:.2f}x)"
+            interval = interval_text(s.get("paired_interval_vs_ulysses"))
+            ratio += f" ({s['paired_ratio_vs_ulysses']:.2f}x{interval})"
         lines.append(
             f"| {s['model']} | {s['label']} | {step} | {ratio} | {_mib(s.get('saved_bytes'))} | "
             f"{_mib(s['peak_bytes'].get(headline))} | {_max_len(s)} | {_x(s.get('max_len_ratio_vs_ddp'))} | "
@@ -337,7 +357,8 @@ def notes(report: dict) -> list[str]:
     return [
         f"step ms: median over {st['repeats']} rounds of forward + backward + gradient all-reduce at "
         f"{st['headline_len']} tokens, methods alternating, max over ranks; vs Ulysses: ratio of medians "
-        "(in brackets the median of per-round ratios).",
+        "(in brackets the median of per-round ratios, the slowest rank's, and where there are 6 rounds or "
+        "more the 95% interval of that median: `benchmarks/paired.py`).",
         "saved for bw: distinct storages packed by `saved_tensors_hooks` during the forward, parameters "
         f"excluded, max over ranks, at {st['headline_len']} tokens.",
         f"peak: {memory}; max over ranks, at {st['headline_len']} tokens. MemTracker is not used: it is a "

@@ -11,7 +11,13 @@ method on the same ranks, batch and per-rank budget), written to ``benchmarks/re
 <config>.json`` / ``.md``. This module runs them in turn and writes ``trainability.json`` (all of them)
 and ``trainability.md`` (the tables and the issue's targets). Lengths are found by ``benchmarks.run``'s
 budget search on measured allocator peaks; step times are the median of per-round ratios with the
-methods alternating (``paired_ratio_vs_ulysses``, ``paired_ratio_vs_sp``).
+methods alternating (``paired_ratio_vs_ulysses``, ``paired_ratio_vs_sp``), with their 95% interval.
+
+A search launch times few rounds, and on shared CPU cores one round's ratio moves by 10-20%, so the
+step-time columns and targets can come from a timing launch per configuration instead (``--search none``
+and many rounds, written by this module to another ``--out``), attached with ``--timing FILE``: its rows
+replace the launches' own step times in the tables, named as such, and a time target is met or not only
+where the 95% interval of the paired ratio is on one side of the bound (``benchmarks/paired.py``).
 
 A model is the unit of a row's evidence: every figure of a row compares methods of one model measured in one
 launch. So a launch may rerun some models of a configuration (``--models``, or a ``--deadline-s`` that
@@ -33,6 +39,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, MiB, code_version, machine_info, write_report
+from benchmarks.paired import interval_verdict
+from benchmarks.report import assemble, interval_text
 from benchmarks.run import parse_args as parse_launch
 from benchmarks.suites import SUITES
 
@@ -59,6 +67,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=RESULTS / "trainability.json")
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
+    parser.add_argument(
+        "--timing", type=Path, help="take step times from this timing launch's report (and rewrite the .md)"
+    )
     return parser.parse_known_args(argv)
 
 
@@ -92,8 +103,11 @@ def run_config(name: str, extra: list[str], out_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.render:
-        write_outputs(json.loads(args.out.read_text()), args.out)
+    if args.render or args.timing:
+        report = json.loads(args.out.read_text())
+        if args.timing:
+            attach_timing(report, json.loads(args.timing.read_text()))
+        write_outputs(report, args.out)
         print(args.out.with_suffix(".md").read_text())
         return 0
     out_dir = args.out.parent / args.out.stem
@@ -102,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     configs = dict(previous.get("configs", {}))  # configurations not rerun keep their results
     for name in args.configs:
-        configs[name] = merge_parts(configs.get(name), run_config(name, extra, out_dir))
+        previous_run = configs.get(name) or {}
+        configs[name] = merge_parts(previous_run, run_config(name, extra, out_dir))
+        if "timing" in previous_run:  # its own launch, with its own command and commit
+            configs[name]["timing"] = previous_run["timing"]
     report = {
         "kind": "trainability",
         "command": shlex.join(
@@ -135,6 +152,50 @@ def _part(run: dict, models: list[str]) -> dict:
     return {"models": models, **{key: run.get(key) for key in keys}}
 
 
+# the settings that make two launches' rows comparable
+COMPARABLE = ("nproc", "dtype", "autocast", "headline_len", "compiler", "layers", "batch_size")
+# a row's step-time figures, as a timing launch gives them
+TIMED = (
+    "median_step_s",
+    *(f"paired_{kind}_vs_{ref}" for kind in ("ratio", "interval") for ref in ("ulysses", "sp")),
+)
+
+
+def attach_timing(report: dict, timing: dict) -> None:
+    """Take every configuration's step-time figures from ``timing`` (a report of this module from launches
+    with ``--search none``), where that configuration ran; the length columns keep their launches'."""
+    for config, run in timing["configs"].items():
+        target = report["configs"].get(config)
+        if "summary" not in run or not target or "settings" not in target:
+            continue
+        differs = [k for k in COMPARABLE if target["settings"].get(k) != run["settings"].get(k)]
+        if differs:
+            raise SystemExit(f"{config}: the timing launch differs in {', '.join(differs)}")
+        if run.get("per_rank"):
+            assemble(run, None)  # the summaries again, with the intervals of this code
+        target["timing"] = {
+            "command": run["command"],
+            "code": run.get("code"),
+            "repeats": run["settings"]["repeats"],
+            "wall_s_worker": run.get("wall_s_worker"),
+            "rows": [
+                {"model": s["model"], "method": s["method"], **{k: s[k] for k in TIMED if k in s}}
+                for s in run["summary"]
+                if s.get("status") == "ok"
+            ],
+        }
+
+
+def _timed(run: dict) -> dict[tuple[str, str], dict]:
+    """Each row's step-time figures: from the configuration's timing launch where it has one; a method that
+    launch did not run keeps its own launch's, marked ``own``."""
+    own = _by_key(run)
+    if "timing" not in run:
+        return own
+    timed = {(row["model"], row["method"]): row for row in run["timing"]["rows"]}
+    return {key: timed.get(key) or {**row, "own": True} for key, row in own.items()}
+
+
 def merge_parts(previous: dict | None, new: dict) -> dict:
     """A configuration after ``new``'s launch: the models it measured take its rows, the rest keep theirs.
 
@@ -142,7 +203,7 @@ def merge_parts(previous: dict | None, new: dict) -> dict:
     """
     if not previous or "summary" not in previous or "summary" not in new:
         return new
-    same = ("nproc", "budget_mib", "dtype", "autocast", "headline_len", "compiler", "layers", "batch_size")
+    same = ("budget_mib", *COMPARABLE)
     differs = [k for k in same if previous["settings"].get(k) != new["settings"].get(k)]
     if differs:
         raise SystemExit(f"cannot merge a launch with other {', '.join(differs)} into this configuration")
@@ -175,13 +236,17 @@ def _max_len(summary: dict) -> int | None:
 
 
 def figure(run: dict, model: str, method: str, name: str, reference: str) -> float | None:
-    """``name`` of ``method`` against ``reference``: a length ratio, or a paired step-time ratio."""
+    """``name`` of ``method`` against ``reference``: a length ratio, or a paired step-time figure (from the
+    configuration's timing launch where it has one)."""
     by_key = _by_key(run)
     mine, theirs = by_key.get((model, method), {}), by_key.get((model, reference), {})
     if name == "max_len":
         a, b = _max_len(mine), _max_len(theirs)
         return a / b if a and b else None
-    return mine.get(name) if mine.get("status") == "ok" and theirs.get("status") == "ok" else None
+    if "timing" not in run and not (mine.get("status") == "ok" and theirs.get("status") == "ok"):
+        return None
+    timed = _timed(run)
+    return timed.get((model, method), {}).get(name) if (model, reference) in timed else None
 
 
 def _lower_bound(summary: dict) -> bool:
@@ -211,7 +276,14 @@ def targets(report: dict) -> list[dict]:
                 # a length ratio over a lower bound may be higher; over a lower-bound reference, lower
                 high = name == "max_len" and _lower_bound(by_key.get((model, method), {}))
                 low = name == "max_len" and _lower_bound(by_key.get((model, reference), {}))
-                met = verdict(value, relation, bound, low, high)
+                interval = None
+                if name != "max_len" and value is not None:
+                    interval = figure(run, model, method, name.replace("_ratio_", "_interval_"), reference)
+                met = (
+                    interval_verdict(interval, relation, bound)
+                    if interval
+                    else verdict(value, relation, bound, low, high)
+                )
                 rows.append(
                     {
                         "config": config,
@@ -221,6 +293,7 @@ def targets(report: dict) -> list[dict]:
                         "bound": bound,
                         "relation": relation,
                         "met": met,
+                        "interval": interval,
                         "from_lower_bound": high or low,
                     }
                 )
@@ -255,10 +328,12 @@ def table(report: dict) -> list[str]:
         if "summary" not in run:
             lines.append(f"| {config} | | {next(iter(run.values()))} | | | | | | | | |")
             continue
-        headline = str(run["settings"]["headline_len"])
+        headline, timed = str(run["settings"]["headline_len"]), _timed(run)
         for s in run["summary"]:
             model, method = s["model"], s["method"]
-            step = "—" if s.get("median_step_s") is None else f"{s['median_step_s'] * 1e3:.0f}"
+            row = timed.get((model, method), {})
+            step = "—" if row.get("median_step_s") is None else f"{row['median_step_s'] * 1e3:.0f}"
+            step += "*" if row.get("own") and step != "—" else ""
             peak = s.get("peak_bytes", {}).get(headline)
             lines.append(
                 f"| {config} | {model} | {s['label']} | {_length(s)} | "
@@ -266,7 +341,7 @@ def table(report: dict) -> list[str]:
                 f"{_x(figure(run, model, method, 'max_len', 'sp'))} | "
                 f"{_x(figure(run, model, method, 'max_len', 'ddp'))} | "
                 f"{'—' if peak is None else f'{peak / MiB:.1f}'} | {step} | "
-                f"{_x(s.get('paired_ratio_vs_ulysses'))} | {_x(s.get('paired_ratio_vs_sp'))} |"
+                f"{_paired(row, 'ulysses')} | {_paired(row, 'sp')} |"
             )
     for config in CONFIGS:
         if config not in report["configs"]:
@@ -274,16 +349,29 @@ def table(report: dict) -> list[str]:
     return lines
 
 
+def _paired(row: dict, reference: str) -> str:
+    """A paired ratio with its 95% interval, where it has one."""
+    value = row.get(f"paired_ratio_vs_{reference}")
+    interval = interval_text(row.get(f"paired_interval_vs_{reference}"))
+    return _x(value) + (f" ({interval[2:]})" if value is not None and interval else "")
+
+
 def target_table(report: dict) -> list[str]:
     lines = ["| config | model | target | measured | bound | met |", "|---|---|---|---:|---:|---|"]
     for row in targets(report):
-        if row["met"] is None:
-            met = "undecided (a length is a lower bound)" if row["value"] is not None else "n/a"
+        interval = interval_text(row.get("interval"))[2:]
+        if row["met"] is None and row["value"] is None:
+            met = "n/a"
+        elif row["met"] is None:
+            why = f"the 95% interval {interval} spans the bound" if interval else "a length is a lower bound"
+            met = f"undecided ({why})"
         else:
             met = "yes" if row["met"] else "**no**"
         value = _x(row["value"])
         if row.get("from_lower_bound") and row["value"] is not None:
             value += " (from a lower bound)"
+        elif interval:
+            value += f" (95%: {interval})"
         lines.append(
             f"| {row['config']} | {row['model']} | {row['target']} | {value} | "
             f"{row['relation']} {row['bound']:.2f}x | {met} |"
@@ -316,11 +404,29 @@ def settings_line(report: dict) -> str:
     return (
         f"Per-rank budget {budgets} over each step's allocator peak (CPU: c10 allocator "
         f"high-water mark of the step; parameters held before it are not counted), batch {st['batch_size']}, "
-        f"compiler `{st['compiler']}`, {st['threads']} torch thread(s) per rank, step times at "
-        f"{st['headline_len']} tokens ({st['repeats']} rounds). Models: {models}. "
+        f"compiler `{st['compiler']}`, {st['threads']} torch thread(s) per rank, {_timing_text(report)}. "
+        f"Models: {models}. "
         f"{m['cpu_count']} CPUs, torch {m['torch']}, DeepSpeed {m.get('deepspeed')}; "
         f"code per configuration (per model where it was rerun in parts): {codes} "
         "(`benchmarks/results/trainability/<config>[.<models>].json` has each launch's command)."
+    )
+
+
+def _timing_text(report: dict) -> str:
+    """Where the step times come from: the search launches' rounds, or each configuration's timing launch."""
+    runs = {config: run for config, run in report["configs"].items() if "settings" in run}
+    headline = next(iter(runs.values()))["settings"]["headline_len"]
+    timed = {config: run["timing"] for config, run in runs.items() if "timing" in run}
+    if not timed:
+        rounds = sorted({run["settings"]["repeats"] for run in runs.values()})
+        return f"step times at {headline} tokens ({'/'.join(map(str, rounds))} rounds, in the same launches)"
+    which = ", ".join(f"{config} {t['repeats']} rounds at {_commit(t)}" for config, t in timed.items())
+    untimed = [config for config in runs if config not in timed]
+    rest = f"; {', '.join(untimed)} from its own launch" if untimed else ""
+    return (
+        f"step times at {headline} tokens from a timing launch per configuration, methods alternating "
+        f"round by round (no search; {which}{rest}), paired ratios with their 95% interval; a step time "
+        "marked * is of a method that launch did not run, from its own launch, paired with that launch's"
     )
 
 
@@ -375,6 +481,10 @@ def commands(report: dict) -> list[str]:
                 lines.append(f"- {config}{which}: `{part['command']}`{took}")
         else:
             lines.append(f"- {config}: {next(iter(run.values()))}")
+        if run is not None and "timing" in run:
+            timing, took = run["timing"], run["timing"].get("wall_s_worker")
+            took = "" if took is None else f" ({took:.0f} s)"
+            lines.append(f"- {config} (step times): `{timing['command']}`{took}")
     return lines
 
 

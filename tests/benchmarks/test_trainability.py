@@ -121,3 +121,88 @@ def test_a_launch_of_some_models_writes_its_own_part(tmp_path, monkeypatch, extr
 def test_a_cuda_launch_needs_its_ranks_in_gpus(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(trainability, "_gpus", lambda: 2)
     assert trainability.run_config("sp4-fp32", [], tmp_path) == {"skipped": "needs 4 GPUs, 2 found"}
+
+
+def test_median_interval_is_the_order_statistics_that_hold_95_percent() -> None:
+    from benchmarks.paired import interval_verdict, median_interval
+
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) is None  # 5 rounds: no order statistic reaches 95%
+    assert median_interval([3.0, 1.0, 2.0, 7.0, 5.0, 6.0, 4.0]) == (1.0, 7.0)  # 7 rounds: 98.4%
+    # 151 rounds: the 63rd and 89th of the ordered ratios (75.5 +- 1.96 sqrt(151) / 2)
+    assert median_interval([float(i) for i in range(151)]) == (62.0, 88.0)
+    assert interval_verdict((0.90, 0.96), "<=", 0.97) is True
+    assert interval_verdict((0.98, 1.02), "<=", 0.97) is False
+    assert interval_verdict((0.95, 1.01), "<=", 0.97) is None  # spans the bound: undecided
+    assert interval_verdict(None, "<=", 0.97) is None
+
+
+def test_paired_intervals_come_from_the_slowest_ranks_rounds() -> None:
+    from benchmarks.report import _paired_intervals
+
+    def rank(sp: list[float], ulysses: list[float]) -> dict:
+        return {m: {"timing": {"step_times_s": t}} for m, t in (("sp", sp), ("ulysses", ulysses))}
+
+    ulysses = [1.0] * 7
+    fast, slow = [0.90, 0.91, 0.92, 0.93, 0.94, 0.95, 0.96], [0.95, 0.96, 0.97, 0.98, 0.99, 1.00, 1.01]
+    summary = {"method": "sp"}
+    _paired_intervals(summary, [rank(fast, ulysses), rank(slow, ulysses)])
+    assert summary == {"method": "sp", "paired_interval_vs_ulysses": [0.95, 1.01]}
+
+
+def _timed_config(step_s: float, interval: list[float], nproc: int = 4) -> dict:
+    launch = _launch("aaaa", ["gpt-tiny", "llama-tiny"])
+    launch["settings"]["nproc"] = nproc
+    for row in launch["summary"]:
+        row.update(
+            label=row["method"],
+            median_step_s=9.0,
+            paired_ratio_vs_ulysses=1.2 if row["method"] == "sac" else 1.0,
+        )
+    launch["summary"].append(
+        {"model": "gpt-tiny", "method": "ddp", "label": "DDP", "status": "ok", "median_step_s": 2.0}
+    )
+    timing = {
+        "command": "timing at bbbb",
+        "code": {"commit": "bbbb"},
+        "settings": {**launch["settings"], "repeats": 151},
+        "summary": [
+            {
+                "model": m,
+                "method": method,
+                "status": "ok",
+                "median_step_s": step_s,
+                "paired_ratio_vs_ulysses": 0.95 if method == "sac" else 1.0,
+                **({"paired_interval_vs_ulysses": interval} if method == "sac" else {}),
+            }
+            for m in ("gpt-tiny", "llama-tiny")
+            for method in ("sac", "ulysses")
+        ],
+        "per_rank": [],
+    }
+    return {"configs": {"sp4-fp32": launch}}, {"configs": {"sp4-fp32": timing}}
+
+
+def test_a_timing_launch_gives_the_step_times_and_its_intervals_judge_the_targets(monkeypatch) -> None:
+    monkeypatch.setattr(
+        trainability, "TARGETS", (("time", "sac", "ulysses", "paired_ratio_vs_ulysses", "<=", 0.97),)
+    )
+    report, timing = _timed_config(0.5, [0.93, 0.96])
+    trainability.attach_timing(report, timing)
+    table = "\n".join(trainability.table(report))
+    assert "| sp4-fp32 | gpt-tiny | sac |" in table and "| 500 | 0.95x (0.93-0.96) |" in table
+    assert "| 2000* |" in table  # DDP was not in the timing launch: its own launch's step, marked
+    assert [row["met"] for row in trainability.targets(report)] == [True, True]  # 1.2x in the own launch
+    assert "- sp4-fp32 (step times): `timing at bbbb`" in trainability.commands(report)
+    report, timing = _timed_config(0.5, [0.93, 1.01])
+    trainability.attach_timing(report, timing)
+    assert [row["met"] for row in trainability.targets(report)] == [None, None]  # the interval spans 0.97
+    assert "undecided (the 95% interval 0.93-1.01 spans the bound)" in "\n".join(
+        trainability.target_table(report)
+    )
+
+
+def test_a_timing_launch_with_other_ranks_is_not_attached() -> None:
+    report, _ = _timed_config(0.5, [0.93, 0.96])
+    _, timing = _timed_config(0.5, [0.93, 0.96], nproc=2)
+    with pytest.raises(SystemExit, match="nproc"):
+        trainability.attach_timing(report, timing)
