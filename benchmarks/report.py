@@ -235,8 +235,9 @@ def _x(r: float | None) -> str:
 
 
 def interval_text(interval: list[float] | None) -> str:
-    """A paired ratio's 95% interval, to follow the ratio (nothing when there is none)."""
-    return "" if not interval else f"; {interval[0]:.2f}-{interval[1]:.2f}"
+    """A paired ratio's 95% interval, to follow the ratio (nothing when there is none); three decimals, so
+    that an end a hair over a bound does not print as the bound."""
+    return "" if not interval else f"; {interval[0]:.3f}-{interval[1]:.3f}"
 
 
 def _err(e: float | None) -> str:

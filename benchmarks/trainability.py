@@ -332,8 +332,10 @@ def table(report: dict) -> list[str]:
         for s in run["summary"]:
             model, method = s["model"], s["method"]
             row = timed.get((model, method), {})
-            step = "—" if row.get("median_step_s") is None else f"{row['median_step_s'] * 1e3:.0f}"
-            step += "*" if row.get("own") and step != "—" else ""
+            # a row the timing launch did not run keeps its own launch's ratios, not its step time (another
+            # launch, maybe another load on the host)
+            own = "*" if row.get("own") else ""
+            step = "—" if own or row.get("median_step_s") is None else f"{row['median_step_s'] * 1e3:.0f}"
             peak = s.get("peak_bytes", {}).get(headline)
             lines.append(
                 f"| {config} | {model} | {s['label']} | {_length(s)} | "
@@ -341,7 +343,7 @@ def table(report: dict) -> list[str]:
                 f"{_x(figure(run, model, method, 'max_len', 'sp'))} | "
                 f"{_x(figure(run, model, method, 'max_len', 'ddp'))} | "
                 f"{'—' if peak is None else f'{peak / MiB:.1f}'} | {step} | "
-                f"{_paired(row, 'ulysses')} | {_paired(row, 'sp')} |"
+                f"{_paired(row, 'ulysses', own)} | {_paired(row, 'sp', own)} |"
             )
     for config in CONFIGS:
         if config not in report["configs"]:
@@ -349,11 +351,13 @@ def table(report: dict) -> list[str]:
     return lines
 
 
-def _paired(row: dict, reference: str) -> str:
+def _paired(row: dict, reference: str, mark: str = "") -> str:
     """A paired ratio with its 95% interval, where it has one."""
     value = row.get(f"paired_ratio_vs_{reference}")
+    if value is None:
+        return "—"
     interval = interval_text(row.get(f"paired_interval_vs_{reference}"))
-    return _x(value) + (f" ({interval[2:]})" if value is not None and interval else "")
+    return _x(value) + mark + (f" ({interval[2:]})" if interval else "")
 
 
 def target_table(report: dict) -> list[str]:
@@ -425,8 +429,8 @@ def _timing_text(report: dict) -> str:
     rest = f"; {', '.join(untimed)} from its own launch" if untimed else ""
     return (
         f"step times at {headline} tokens from a timing launch per configuration, methods alternating "
-        f"round by round (no search; {which}{rest}), paired ratios with their 95% interval; a step time "
-        "marked * is of a method that launch did not run, from its own launch, paired with that launch's"
+        f"round by round (no search; {which}{rest}), paired ratios with their 95% interval; a ratio marked "
+        "* is of a method that launch did not run: from its own launch, against that launch's Ulysses and SP"
     )
 
 

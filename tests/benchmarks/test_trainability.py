@@ -159,7 +159,14 @@ def _timed_config(step_s: float, interval: list[float], nproc: int = 4) -> dict:
             paired_ratio_vs_ulysses=1.2 if row["method"] == "sac" else 1.0,
         )
     launch["summary"].append(
-        {"model": "gpt-tiny", "method": "ddp", "label": "DDP", "status": "ok", "median_step_s": 2.0}
+        {
+            "model": "gpt-tiny",
+            "method": "ddp",
+            "label": "DDP",
+            "status": "ok",
+            "median_step_s": 2.0,
+            "paired_ratio_vs_ulysses": 1.6,
+        }
     )
     timing = {
         "command": "timing at bbbb",
@@ -189,14 +196,14 @@ def test_a_timing_launch_gives_the_step_times_and_its_intervals_judge_the_target
     report, timing = _timed_config(0.5, [0.93, 0.96])
     trainability.attach_timing(report, timing)
     table = "\n".join(trainability.table(report))
-    assert "| sp4-fp32 | gpt-tiny | sac |" in table and "| 500 | 0.95x (0.93-0.96) |" in table
-    assert "| 2000* |" in table  # DDP was not in the timing launch: its own launch's step, marked
+    assert "| sp4-fp32 | gpt-tiny | sac |" in table and "| 500 | 0.95x (0.930-0.960) |" in table
+    assert "| DDP | — | — | — | — | — | — | 1.60x* | — |" in table  # not timed there: its own launch's ratio
     assert [row["met"] for row in trainability.targets(report)] == [True, True]  # 1.2x in the own launch
     assert "- sp4-fp32 (step times): `timing at bbbb`" in trainability.commands(report)
     report, timing = _timed_config(0.5, [0.93, 1.01])
     trainability.attach_timing(report, timing)
     assert [row["met"] for row in trainability.targets(report)] == [None, None]  # the interval spans 0.97
-    assert "undecided (the 95% interval 0.93-1.01 spans the bound)" in "\n".join(
+    assert "undecided (the 95% interval 0.930-1.010 spans the bound)" in "\n".join(
         trainability.target_table(report)
     )
 
