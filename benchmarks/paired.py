@@ -49,12 +49,11 @@ def paired_ratios(times: Sequence[float], reference: Sequence[float]) -> list[fl
 
 def slowest_rank_interval(
     per_rank: Sequence[tuple[Sequence[float], Sequence[float]]], confidence: float = 0.95
-) -> tuple[float, tuple[float, float] | None]:
-    """The paired ratio reported for a run (the rank whose median ratio is largest, as the step time is
-    the slowest rank's) and that rank's interval. ``per_rank``: (times, reference times) of each rank."""
+) -> tuple[float, float] | None:
+    """The interval of the paired ratio a run reports: that of the rank whose median ratio is largest, as
+    the step time is the slowest rank's. ``per_rank``: (times, reference times) of each rank."""
     ratios = [paired_ratios(times, reference) for times, reference in per_rank]
-    slowest = max(ratios, key=statistics.median)
-    return statistics.median(slowest), median_interval(slowest, confidence)
+    return median_interval(max(ratios, key=statistics.median), confidence)
 
 
 def interval_verdict(interval: tuple[float, float] | None, relation: str, bound: float) -> bool | None:

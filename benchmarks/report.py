@@ -139,12 +139,14 @@ def assemble(report: dict, gathered: list[dict] | None) -> dict:
 
 def _paired_intervals(summary: dict, per_rank: list[dict]) -> None:
     """Each paired ratio's 95% interval, from the per-round step times (``benchmarks.paired``)."""
+    mine = [r.get(summary["method"], {}).get("timing") for r in per_rank]
     for reference in PAIRED_REFERENCES:
-        timed = [r.get(m, {}).get("timing") for r in per_rank for m in (summary["method"], reference)]
-        if summary["method"] == reference or not all(timed):
+        theirs = [r.get(reference, {}).get("timing") for r in per_rank]
+        if summary["method"] == reference or not all(mine + theirs):
             continue
-        pairs = [(t["step_times_s"], ref["step_times_s"]) for t, ref in zip(timed[::2], timed[1::2])]
-        _, interval = slowest_rank_interval(pairs)
+        interval = slowest_rank_interval(
+            [(a["step_times_s"], b["step_times_s"]) for a, b in zip(mine, theirs)]
+        )
         if interval is not None:
             summary[f"paired_interval_vs_{reference}"] = list(interval)
 
@@ -235,9 +237,9 @@ def _x(r: float | None) -> str:
 
 
 def interval_text(interval: list[float] | None) -> str:
-    """A paired ratio's 95% interval, to follow the ratio (nothing when there is none); three decimals, so
-    that an end a hair over a bound does not print as the bound."""
-    return "" if not interval else f"; {interval[0]:.3f}-{interval[1]:.3f}"
+    """A paired ratio's 95% interval ("" when there is none); three decimals, so that an end a hair over
+    a bound does not print as the bound."""
+    return "" if not interval else f"{interval[0]:.3f}-{interval[1]:.3f}"
 
 
 def _err(e: float | None) -> str:
@@ -288,7 +290,7 @@ def table_rows(report: dict) -> list[str]:
         ratio = _x(s.get("time_ratio_vs_ulysses"))
         if s.get("paired_ratio_vs_ulysses") is not None:
             interval = interval_text(s.get("paired_interval_vs_ulysses"))
-            ratio += f" ({s['paired_ratio_vs_ulysses']:.2f}x{interval})"
+            ratio += f" ({s['paired_ratio_vs_ulysses']:.2f}x{'; ' + interval if interval else ''})"
         lines.append(
             f"| {s['model']} | {s['label']} | {step} | {ratio} | {_mib(s.get('saved_bytes'))} | "
             f"{_mib(s['peak_bytes'].get(headline))} | {_max_len(s)} | {_x(s.get('max_len_ratio_vs_ddp'))} | "

@@ -67,6 +67,7 @@ from benchmarks.common import (
 )
 from benchmarks.length_search import is_out_of_memory, next_candidate
 from benchmarks.measure import allocator_peak, cuda_peak, profiled_step, saved_for_backward, timed
+from benchmarks.paired import paired_ratios
 from benchmarks.suites import DEFAULTS, PAIRED_REFERENCES, SUITES
 
 
@@ -379,8 +380,9 @@ class Worker:
             }
             for reference in PAIRED_REFERENCES:
                 if reference in times:
-                    pairs = zip(times[name], times[reference])
-                    figures[f"paired_ratio_vs_{reference}"] = statistics.median(t / ref for t, ref in pairs)
+                    figures[f"paired_ratio_vs_{reference}"] = statistics.median(
+                        paired_ratios(times[name], times[reference])
+                    )
             out[name]["timing"] = figures
             live[name].model.zero_grad(set_to_none=True)
 

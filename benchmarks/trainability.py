@@ -357,13 +357,13 @@ def _paired(row: dict, reference: str, mark: str = "") -> str:
     if value is None:
         return "—"
     interval = interval_text(row.get(f"paired_interval_vs_{reference}"))
-    return _x(value) + mark + (f" ({interval[2:]})" if interval else "")
+    return _x(value) + mark + (f" ({interval})" if interval else "")
 
 
 def target_table(report: dict) -> list[str]:
     lines = ["| config | model | target | measured | bound | met |", "|---|---|---|---:|---:|---|"]
     for row in targets(report):
-        interval = interval_text(row.get("interval"))[2:]
+        interval = interval_text(row.get("interval"))
         if row["met"] is None and row["value"] is None:
             met = "n/a"
         elif row["met"] is None:
