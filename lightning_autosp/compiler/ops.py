@@ -57,6 +57,19 @@ Note [One all-to-all for q, k and v]
     per-tensor send copy. Packing along the heads, not along flattened heads x D, keeps D the
     innermost loop of the kernel that writes the buffer: a flattened [tokens, Hq*D + 2*Hkv*D] buffer
     put a branch on the innermost index, and that kernel (with q's rotary embedding) ran 4x slower.
+
+Note [Windows of the sequence]
+    A convolution along the sequence (stride 1) reads, for its output at position t, the inputs from
+    t - pad_left to t - pad_left + dilation * (kernel - 1). On the shard of positions a rank owns, the
+    rows near its edges live on the neighbouring ranks. ``sequence_window`` gives each rank the rows
+    its outputs read: its own, the boundary rows of the ranks that hold the rest (one all-to-all in
+    which each rank sends only the rows another rank's window takes: a few rows per neighbour, not
+    the shard), and zeros where the window passes either end of the sequence (the convolution's own
+    zero padding, now explicit). The convolution then runs without padding along the sequence and
+    gives exactly this rank's outputs. A window may reach past a short neighbour into the next one;
+    the rows come from whichever ranks hold them. Its gradient is the all-to-all back (the
+    functional collective's formula): the gradient of a boundary row returns to its owner and is added
+    to the gradient of that row's own use there.
 """
 
 from __future__ import annotations
@@ -221,7 +234,43 @@ def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
     return _functional.wait_tensor(_functional.all_reduce(x, "sum", group_name))
 
 
-COLLECTIVE_FUNCTIONS = frozenset({seq_to_head, seq_to_head_packed, head_to_seq, all_reduce_sum})
+def sequence_window(
+    x: Tensor, dim: int, starts: list[int], stops: list[int], seq_lens: list[int], rank: int, group_name: str
+) -> Tensor:
+    """Rows ``starts[rank]`` to ``stops[rank]`` of the global sequence along ``dim`` (Note [Windows of the
+    sequence]): this rank's own, the other ranks' boundary rows that fall inside, and zeros outside the
+    sequence. ``starts`` / ``stops``: every rank's window, in global positions; ``seq_lens``: every rank's
+    shard length (contiguous shards, in rank order)."""
+    world = len(seq_lens)
+    offsets = [sum(seq_lens[:j]) for j in range(world)]
+    length = offsets[-1] + seq_lens[-1]
+
+    def overlap(owner: int, reader: int) -> tuple[int, int]:
+        """The owner's rows in the reader's window: (start in the owner's shard, count)."""
+        first = max(offsets[owner], starts[reader])
+        last = min(offsets[owner] + seq_lens[owner], stops[reader])
+        return min(first - offsets[owner], seq_lens[owner]), max(last - first, 0)
+
+    rows = x.movedim(dim, 0)
+    sends = [overlap(rank, j) if j != rank else (0, 0) for j in range(world)]
+    receives = [overlap(j, rank)[1] if j != rank else 0 for j in range(world)]
+    send = torch.cat([rows.narrow(0, start, count) for start, count in sends])
+    received = _all_to_all(send.contiguous(), receives, [count for _, count in sends], group_name)
+    from_below = sum(receives[:rank])
+    own_start, own_count = overlap(rank, rank)
+    pieces = [
+        rows.new_zeros((max(-starts[rank], 0), *rows.shape[1:])),
+        received.narrow(0, 0, from_below),
+        rows.narrow(0, own_start, own_count),
+        received.narrow(0, from_below, received.shape[0] - from_below),
+        rows.new_zeros((max(stops[rank] - length, 0), *rows.shape[1:])),
+    ]
+    return torch.cat(pieces).movedim(0, dim)
+
+
+COLLECTIVE_FUNCTIONS = frozenset(
+    {seq_to_head, seq_to_head_packed, head_to_seq, all_reduce_sum, sequence_window}
+)
 
 
 @torch.library.custom_op("autosp::shift_from_next", mutates_args=())

@@ -68,6 +68,26 @@ class Redistribution:
         )
 
 
+@dataclass(frozen=True)
+class ConvolutionWindow:
+    """A stride-1 convolution along the sequence run on the output positions this rank owns, from a window
+    of its input with the neighbouring shards' boundary rows (Note [Windows of the sequence] in ops.py)."""
+
+    dim: int  # the input's sequence dim
+    spatial: int  # its index among the convolution's spatial dims
+    pad_before: int  # zeros the convolution puts before the sequence
+    pad_after: int  # and after it
+    extent: int  # dilation * (kernel - 1): how many more inputs than outputs a window holds
+
+    def output_length(self, length: object) -> object:
+        """Output positions of the convolution over ``length`` input positions (int or SymInt)."""
+        return length + self.pad_before + self.pad_after - self.extent
+
+    def window(self, first: object, stop: object) -> tuple[object, object]:
+        """The input positions ``[start, stop)`` that outputs ``[first, stop)`` read."""
+        return first - self.pad_before, stop - self.pad_before + self.extent
+
+
 @dataclass
 class Plan:
     """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
@@ -86,3 +106,4 @@ class Plan:
     split_convolutions: dict[fx.Node, int] = field(default_factory=dict)  # -> its groups on this rank
     value_sizes: dict[tuple[fx.Node, fx.Node], None] = field(default_factory=dict)  # (user, size) as values
     global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
+    windows: dict[fx.Node, ConvolutionWindow] = field(default_factory=dict)  # convolutions along it

@@ -12,9 +12,21 @@ After (split over the channels, C / P each)::
 
 Ops on split values whose arguments spell out sizes (views, expands) get this rank's sizes: the whole
 sequence, 1/P of the split dim. Grouped convolutions on split channels run 1/P of their groups.
+Convolutions along the sequence on shards read a window with the neighbours' boundary rows (Note
+[Windows of the sequence] in ``ops.py``)::
+
+    x [N, C, S_r] -> conv1d(padding=p) -> [N, C, S_r']
+
+becomes::
+
+    x [N, C, S_r] -> sequence_window(2, ...) -> [N, C, S_r' + e] -> conv1d(padding=0) -> [N, C, S_r']
+
+(e: dilation * (kernel - 1); S_r': the output positions this rank owns).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import fx
@@ -22,8 +34,8 @@ from torch import fx
 from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import bind, meta_value, with_sizes
-from lightning_autosp.compiler.plan import Redistribution
+from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name, source_line, with_sizes
+from lightning_autosp.compiler.plan import ConvolutionWindow, Redistribution
 from lightning_autosp.compiler.recompute import GlobalCopier
 from lightning_autosp.compiler.rules.products import conv_signature
 
@@ -49,7 +61,49 @@ def redistribute_pass(gm: fx.GraphModule, copier: GlobalCopier, ctx: SPContext) 
         args = bind(node, conv_signature(node))
         args["groups"] = groups
         node.args, node.kwargs = tuple(args.values()), {}
+    for node, window in analysis.plan.windows.items():
+        if node in graph.nodes:
+            lines.append(_window_convolution(graph, analysis, ctx, node, window))
     return lines
+
+
+def _window_convolution(
+    graph: fx.Graph, analysis: Analysis, ctx: SPContext, node: fx.Node, window: ConvolutionWindow
+) -> str:
+    """Feed ``node`` the window of its input its outputs read and drop its padding along the sequence:
+    it then gives the output positions this rank owns (as every sequence-derived length is owned,
+    ``SequenceShard.owned_range``)."""
+    args = bind(node, conv_signature(node))
+    source = args["input"]
+    length = analysis.global_value(analysis.shape(source)[window.dim])
+    out_length = window.output_length(length)
+    starts, stops = [], []
+    for rank in range(ctx.shard.world):
+        first, stop = dataclasses.replace(ctx.shard, rank=rank).owned_range(out_length)
+        if stop - first <= 0:
+            raise NotImplementedError(
+                f"{node.name}: the convolution's {out_length} output positions leave rank {rank} none; use "
+                "longer sequences or a smaller sp_size."
+            )
+        start, stop = window.window(first, stop)
+        starts.append(start)
+        stops.append(stop)
+    seq_lens = ctx.shard.counts(length)
+    comm = (starts, stops, seq_lens, ctx.shard.rank, ctx.group_name)
+    args["input"] = _insert(graph, ops.sequence_window, (source, window.dim, *comm), before=node)
+    padding = args["padding"]
+    spatial_dims = meta_value(args["weight"]).dim() - 2
+    if isinstance(padding, str):  # "valid", or "same" over the sequence alone (the rule checked)
+        padding = 0
+    padding = list(padding) if isinstance(padding, (tuple, list)) else [padding] * spatial_dims
+    padding[window.spatial] = 0
+    args["padding"] = tuple(padding)
+    node.args, node.kwargs = tuple(args.values()), {}
+    return (
+        f"{source.name} {analysis.layouts.get(source)} -> window of {window.pad_before} positions before and "
+        f"{window.extent - window.pad_before} after for {op_name(node)} at {source_line(node)}: all-to-all "
+        "of the neighbours' boundary rows"
+    )
 
 
 def _move(graph: fx.Graph, copier: GlobalCopier, ctx: SPContext, move: Redistribution, x: fx.Node) -> fx.Node:

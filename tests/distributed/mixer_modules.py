@@ -281,3 +281,51 @@ class CapacityMoELM(_SGD):
         kept = (slot <= 8) & (slot > 0)
         out = torch.einsum("ne,edf,nd->nf", kept.float(), self.experts, tokens)
         return causal_lm_loss(self.head(x + out.view_as(x)), ids)
+
+
+class ConvolutionLM(_SGD):
+    """Full (not grouped) convolutions over the sequence, as text and audio models write them: ``kind``
+    picks one. ``same``: kernel 3, padding 1; ``same_even``: ``padding="same"`` with kernel 4 (one more
+    zero after than before); ``dilated``: kernel 3, dilation 4, padding 4; ``causal``: padding k - 1 then
+    the first T outputs; ``valid``: no padding, the loss on the T - 2 outputs; ``spectrogram``: a 3x3
+    ``Conv2d`` over [B, 1, T, C], time along the sequence; ``wide``: kernel 3, dilation 8, padding 8 (a
+    window reaching past a short neighbour's shard); ``strided``: stride 2 (refused)."""
+
+    def __init__(self, kind: str, dim: int = 16) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, dim)
+        if kind == "spectrogram":
+            self.conv = nn.Conv2d(1, 2, 3, padding=1)
+            self.mix = nn.Linear(2 * dim, dim)
+        else:
+            options = {
+                "same": {"kernel_size": 3, "padding": 1},
+                "same_even": {"kernel_size": 4, "padding": "same"},
+                "dilated": {"kernel_size": 3, "dilation": 4, "padding": 4},
+                "causal": {"kernel_size": 3, "padding": 2},
+                "valid": {"kernel_size": 3},
+                "wide": {"kernel_size": 3, "dilation": 8, "padding": 8},
+                "strided": {"kernel_size": 3, "stride": 2, "padding": 1},
+            }[kind]
+            self.conv = nn.Conv1d(dim, dim, **options)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        x = self.embed(ids)
+        if self.kind == "spectrogram":
+            y = F.gelu(self.conv(x.unsqueeze(1)))  # (B, 2, T, C)
+            x = x + self.mix(y.permute(0, 2, 1, 3).reshape(B, T, -1))
+        else:
+            y = F.gelu(self.conv(x.transpose(1, 2)))
+            if self.kind == "causal":
+                y = y[..., :T]
+            x = y.transpose(1, 2) if self.kind in ("valid", "strided") else x + y.transpose(1, 2)
+        logits = self.head(x)
+        if self.kind == "strided":  # half the positions: a mean over them
+            return logits.logsumexp(-1).mean()
+        if self.kind == "valid":  # output t reads inputs t .. t + 2: it predicts token t + 3
+            return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 3:].reshape(-1))
+        return causal_lm_loss(logits, ids)

@@ -217,6 +217,9 @@ CASES.update(
         "idiom_per_token_losses": Case(LossGPT, {"loss": "mean_none"}, seq_len=25, ignored_tail=(3, 7)),
         "idiom_sort": Case(SequenceIdiomGPT, {"idiom": "sort_over_sequence"}, seq_len=25),
         "idiom_pool_last_token": Case(SequenceIdiomGPT, {"idiom": "pool_last_token"}, seq_len=25),
+        "idiom_conv_over_sequence": Case(
+            SequenceIdiomGPT, {"idiom": "conv_over_sequence"}, seq_len=25, strategy_kwargs=INDUCTOR
+        ),
         "idiom_refused_branch_on_length": Case(SequenceIdiomGPT, {"idiom": "branch_on_length"}),
         "idiom_refused_insert_token": Case(SequenceIdiomGPT, {"idiom": "insert_token"}),
     }

@@ -25,6 +25,7 @@ EXACT = [
     "idiom_per_token_losses",
     "idiom_sort",  # an all-to-all to channels and back
     "idiom_pool_last_token",  # a partial pick, all-reduced
+    "idiom_conv_over_sequence",  # Inductor + SAC: a window with the previous rank's boundary rows
 ]
 REFUSED = {
     "idiom_refused_branch_on_length": "branched on the sequence length",

@@ -213,10 +213,11 @@ class SequenceIdiomGPT(_SGD):
 
     Exact by redistribution: ``hand_written_attention`` softmax(QK^T)V; ``sort_over_sequence`` sorts
     activations along the sequence; ``cumsum_of_activations`` a running sum of activations;
-    ``pool_last_token`` a loss on the last position (which lives on one rank).
+    ``pool_last_token`` a loss on the last position (which lives on one rank); ``conv_over_sequence`` a full
+    (not grouped) causal convolution over the sequence (a window with the previous rank's last positions).
     Refused, naming this file's line: ``branch_on_length`` a Python branch on the length that the shard and
-    the whole sequence take differently; ``conv_over_sequence`` a full (not grouped) convolution over the
-    sequence; ``insert_token`` a learned token inserted into the sequence (it grows by one).
+    the whole sequence take differently; ``insert_token`` a learned token inserted into the sequence (it
+    grows by one).
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:

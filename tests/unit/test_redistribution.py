@@ -198,3 +198,29 @@ def test_mixtral_keeps_each_ranks_tokens_through_its_experts() -> None:
     module = HFModule("mixtral", num_local_experts=4, num_experts_per_tok=2)
     simulated = assert_exact(module, batch())
     assert not simulated.reports[0].redistributions  # no collective: the dispatch stays on each rank
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "length"),
+    [
+        ("same", 2, 25),
+        ("same_even", 2, 24),
+        ("dilated", 4, 25),
+        ("causal", 2, 25),
+        ("valid", 2, 25),
+        ("spectrogram", 2, 25),
+        ("wide", 4, 26),  # shards of 7, 7, 6, 6: 8 positions either side reach two ranks away
+    ],
+)
+def test_a_sequence_convolution_reads_its_neighbours_rows(kind: str, world: int, length: int) -> None:
+    """Note [Windows of the sequence]: exact at uneven shards, with the window listed by explain()."""
+    torch.manual_seed(0)
+    simulated = assert_exact(mixers.ConvolutionLM(kind), batch(length), world)
+    lines = "\n".join(simulated.reports[0].lines())
+    assert "-> window of" in lines and "all-to-all of the neighbours' boundary rows" in lines, lines
+
+
+def test_a_strided_convolution_over_the_sequence_is_refused() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(NotImplementedError, match=r"conv1d at .*mixer_modules\.py.*stride 2 along it"):
+        simulate_step(mixers.ConvolutionLM("strided"), batch(24), 2)

@@ -48,10 +48,11 @@ EXACT = {
     "sort_over_sequence": lambda: SequenceIdiomGPT("sort_over_sequence"),  # split over the channels
     "cumsum_of_activations": lambda: SequenceIdiomGPT("cumsum_of_activations"),
     "pool_last_token": lambda: SequenceIdiomGPT("pool_last_token"),  # picked where it lives, all-reduced
+    # a causal convolution over the sequence: a window with the previous rank's last 2 positions
+    "conv_over_sequence": lambda: SequenceIdiomGPT("conv_over_sequence"),
 }
 REFUSED = {
     "branch_on_length": (None, "branched on the sequence length", "Make the branch independent"),
-    "conv_over_sequence": ("conv1d", "its groups (1) do not divide by sp_size=2", "grouped convolution"),
     "insert_token": ("cat", "concatenates along the sequence", "Concatenate in the data pipeline"),
 }
 

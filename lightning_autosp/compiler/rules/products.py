@@ -16,6 +16,7 @@ from torch import fx
 from lightning_autosp.compiler.flash import flash_refusal
 from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
 from lightning_autosp.compiler.layout import CAUSAL, PARTIAL, REFUSED, REPLICATE, Layout, shard
+from lightning_autosp.compiler.plan import ConvolutionWindow
 from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import (
     ATTENTION_FIX,
@@ -257,9 +258,11 @@ def one_hot(a, node: fx.Node) -> Layout:
 @handles_split
 def convolution(a, node: fx.Node) -> Layout:
     """conv1d / conv2d / conv3d and their transposes over [N, C, *spatial]. Along the spatial dims each
-    output reads neighbours, which at a shard's edge live on the next rank; a grouped convolution whose
+    output reads neighbours, which at a shard's edge live on the next rank. A grouped convolution whose
     groups divide by P (a depthwise causal convolution, as in Mamba and gated-delta layers) runs on the
-    whole sequence for a block of the groups instead (Note [Redistribution])."""
+    whole sequence for a block of the groups (Note [Redistribution]); any other with stride 1 along the
+    sequence runs on this rank's positions from a window with the neighbours' boundary rows (Note
+    [Windows of the sequence] in ops.py)."""
     materialize_all(a, node)
     source = node.args[0]
     layout = a.layout(source)
@@ -277,14 +280,50 @@ def convolution(a, node: fx.Node) -> Layout:
         if regrouped is not None:
             a.plan.split_convolutions[node] = groups // world
             return regrouped
+    window = _window(a, node, args, layout)
+    if isinstance(window, ConvolutionWindow):
+        a.plan.windows[node] = window
+        return layout
     return a.refuse(
         node,
-        "convolves along the sequence: outputs at a shard's edge need the neighbouring rank's tokens, and "
-        f"its groups ({groups}) do not divide by sp_size={world} to run it on the whole sequence for a "
-        "block of the channels",
-        "Use a depthwise or grouped convolution with groups divisible by sp_size, put the sequence in the "
-        "batch or channel dim, or convolve in the data pipeline",
+        f"convolves along the sequence ({window}), and its groups ({groups}) do not divide by "
+        f"sp_size={world} to run it on the whole sequence for a block of the channels",
+        "Use stride 1 along the sequence, or a depthwise or grouped convolution with groups divisible by "
+        "sp_size, or convolve in the data pipeline",
     )
+
+
+def _window(a, node: fx.Node, args: dict, layout: Layout) -> ConvolutionWindow | str:
+    """How to run ``node`` on this rank's output positions from a window of its input, or why not."""
+    name = op_name(node)
+    if "transpose" in name:
+        return "a transposed convolution spreads each input over several outputs"
+    if not layout.is_shard or len(layout.dims) != 1 or layout.flat:
+        return f"its input is {layout}, not one unflattened sequence dim"
+    if not a.context.shard.is_contiguous:
+        return "the shards are not contiguous ranges of the sequence (a ring layout)"
+    spatial_dims = ndim(args["weight"]) - 2
+    dim = layout.dims[0]
+    spatial = dim - (ndim(args["input"]) - spatial_dims)
+    if spatial < 0:
+        return "the sequence is its channel dim"
+
+    def along(value: object) -> object:
+        return value[spatial] if isinstance(value, (tuple, list)) else value
+
+    stride, dilation, padding = along(args["stride"]), along(args["dilation"]), args["padding"]
+    if stride != 1:
+        return f"stride {stride} along it"
+    extent = dilation * (int(meta_value(args["weight"]).shape[2 + spatial]) - 1)
+    if padding == "valid":
+        before = after = 0
+    elif padding == "same":
+        if spatial_dims > 1:
+            return "padding='same' over several spatial dims"
+        before, after = extent // 2, extent - extent // 2
+    else:
+        before = after = along(padding)
+    return ConvolutionWindow(dim, spatial, before, after, extent)
 
 
 def conv_signature(node: fx.Node) -> inspect.Signature:
