@@ -76,9 +76,17 @@ class Analysis:
     """
 
     def __init__(
-        self, gm: fx.GraphModule, example_inputs: Sequence[object], context: SPContext, tags: SequenceTags
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[object],
+        context: SPContext,
+        tags: SequenceTags,
+        *,
+        windows_first: bool = False,
     ) -> None:
         self.gm, self.context, self.tags, self.rules = gm, context, tags, RULES
+        # Convolutions along the sequence: a window before a block of groups (Note [Windows or blocks])
+        self.windows_first = windows_first
         self.example_inputs = list(example_inputs)
         self.layouts: dict[fx.Node, object] = {}
         self.sizes: dict[fx.Node, sympy.Expr | tuple[sympy.Expr, ...]] = {}

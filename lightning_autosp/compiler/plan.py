@@ -107,3 +107,14 @@ class Plan:
     value_sizes: dict[tuple[fx.Node, fx.Node], None] = field(default_factory=dict)  # (user, size) as values
     global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
     windows: dict[fx.Node, ConvolutionWindow] = field(default_factory=dict)  # convolutions along it
+
+    def traffic(self) -> tuple[int, int]:
+        """(collectives, bytes this rank holds of what they move) of the moves and windows, at the traced
+        lengths (Note [Windows or blocks] in sp_pass.py)."""
+        moves = [move for move in self.redistributions if move.via in ("all_to_all", "all_reduce")]
+        window_bytes = 0
+        for node, window in self.windows.items():
+            value = meta_value(node.args[0])
+            held = math.prod(symbols.hint(size) or 1 for size in value.shape) * value.element_size()
+            window_bytes += held // (symbols.hint(value.shape[window.dim]) or 1) * window.extent
+        return len(moves) + len(self.windows), sum(move.bytes() for move in moves) + window_bytes

@@ -61,6 +61,7 @@ class SPReport:
     losses: list[str] = field(default_factory=list)
     redistributions: list[str] = field(default_factory=list)
     normalized: list[str] = field(default_factory=list)
+    convolutions: str = ""  # which layout grouped convolutions took (Note [Windows or blocks])
     layouts: list[str] = field(default_factory=list)
     output_tags: list[Tag | None] = field(default_factory=list)
     # The sequence symbols the graph keeps (it serves every length of its class, Note [One graph for
@@ -89,6 +90,8 @@ class SPReport:
         ):
             if items:
                 out.append(f"{title}: {', '.join(items)}")
+        if self.convolutions:
+            out.append(self.convolutions)
         if self.one_length:
             out.append(f"compiled for this sequence length only: {self.one_length}")
         if self.redistributions:  # one a line: each names its op and the user's source line
@@ -115,7 +118,9 @@ def sequence_parallel_pass(
     shape_env = symbols.graph_shape_env(gm, example_inputs)
     traced_guards = symbols.guard_count(shape_env)  # the pass must add none; it checks Dynamo's
     report.normalized = normalize_pass(gm).lines()
-    analysis = Analysis(gm, example_inputs, ctx, tags).run()
+    analysis, report.convolutions = _cheaper_plan(
+        Analysis(gm, example_inputs, ctx, tags).run(), gm, example_inputs, ctx, tags
+    )
     if check_guards:
         analysis.check_guards(shape_env, traced_guards)
     analysis.raise_refusals()
@@ -178,6 +183,42 @@ def sequence_parallel_pass(
     gm.recompile()
     _refresh_fake_values(gm, example_inputs)
     return gm, report
+
+
+# Note [Windows or blocks]
+#     A grouped convolution along the sequence has two exact layouts: on the whole sequence for a block
+#     of its groups (an all-to-all there and, where its output meets shards again, one back), or on
+#     this rank's positions from a window of the neighbours' boundary rows (one all-to-all of a few
+#     rows). Which costs less depends on what surrounds it, which one op's rule does not see: a short
+#     convolution between projections (LFM2) comes back to shards at once, so its window saves both
+#     all-to-alls; one that feeds an op needing the whole sequence anyway (a running sum over blocks of
+#     heads) is cheaper moved once, before the convolution. So a graph with such a convolution is
+#     analysed both ways and the plan with fewer collectives is taken (the blocks' on a tie). The count
+#     decides, not the bytes: every rank of the group must choose alike, and with uneven shards the
+#     bytes differ from rank to rank while the count does not. explain() shows both plans' counts and
+#     this rank's bytes.
+def _cheaper_plan(
+    analysis: Analysis,
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    ctx: SPContext,
+    tags: SequenceTags,
+) -> tuple[Analysis, str]:
+    """``analysis``, or the same graph's analysis with its convolutions on windows where that plan runs
+    fewer collectives (Note [Windows or blocks]); and a line for explain() saying which, if it chose."""
+    if not analysis.plan.split_convolutions or analysis.refusals:
+        return analysis, ""
+    windowed = Analysis(gm, example_inputs, ctx, tags, windows_first=True).run()
+    if windowed.refusals:
+        return analysis, ""
+    blocks, windows = analysis.plan.traffic(), windowed.plan.traffic()
+    chosen = windowed if windows[0] < blocks[0] else analysis
+    taken = "windows" if chosen is windowed else "blocks of groups"
+    line = (
+        f"convolutions along the sequence on {taken}: {windows[0]} collectives ({windows[1]} bytes on this "
+        f"rank) on windows, {blocks[0]} ({blocks[1]} bytes) on blocks of groups"
+    )
+    return chosen, line
 
 
 def _every_length(

@@ -24,7 +24,8 @@ EXACT = {
     "multihead_attention": (mixers.MultiheadAttentionLM, "nn.MultiheadAttention calls as SDPA"),
     "transformer_encoder": (mixers.TransformerEncoderLM, "nn.MultiheadAttention calls as SDPA"),
     "alibi_per_head_mask": (mixers.AlibiGPT, "attention nodes: 2"),
-    "hybrid_linear_attention": (mixers.HybridLM, "-> split(1, whole sequence in 2) for conv1d"),
+    # its depthwise convolution meets shards again at once: a window (Note [Windows or blocks])
+    "hybrid_linear_attention": (mixers.HybridLM, "-> window of 3 positions before and 0 after for conv1d"),
     "written_attention": (mixers.WrittenAttentionGPT, "-> split(1, whole sequence in 2) for matmul"),
     "checkpointed_blocks": (mixers.CheckpointedGPT, "activation checkpointing was replaced by SAC"),
     "meta_llama_idioms": (mixers.MetaLlamaBlockLM, "attention nodes: 1"),
@@ -175,6 +176,33 @@ def test_a_grouped_convolution_runs_its_groups_blocks() -> None:
     (convolution,) = [n for n in gm.graph.nodes if "conv1d" in str(n.target)]
     assert convolution.args[-1] == 2  # 4 groups over 2 ranks
     assert convolution.args[1].target is torch.narrow  # this rank's block of the weight's out channels
+
+
+def test_a_grouped_convolution_takes_the_layout_with_fewer_collectives() -> None:
+    """Note [Windows or blocks]: back to shards at once, a window (one collective, not two); feeding a
+    running sum over the sequence, which needs the whole sequence anyway, a block of its groups."""
+    conv = torch.nn.Conv1d(8, 8, 3, groups=8, padding=2)
+    x = torch.randn(2, 8, 12, requires_grad=True)
+
+    def between_projections(x):
+        return (conv(x)[..., : x.size(2)] + x).sum()
+
+    def feeding_a_scan(x):
+        return conv(x)[..., : x.size(2)].cumsum(2).sum()
+
+    reports = {f.__name__: _pass(f, x, sharded={0: 2})[1] for f in (between_projections, feeding_a_scan)}
+    windowed, blocked = (
+        "\n".join(reports[name].lines()) for name in ("between_projections", "feeding_a_scan")
+    )
+    # with the loss's all-reduce: a window and it, against an all-to-all there, one back and it
+    assert "on windows: 2 collectives (132 bytes on this rank) on windows, 3 (1540 bytes)" in windowed, (
+        windowed
+    )
+    assert "on blocks of groups: 3 collectives (900 bytes on this rank) on windows, 2 (772 bytes)" in blocked
+    assert "l_x_ shard(2) -> window of 2 positions before and 0 after for conv1d" in windowed, windowed
+    assert "split(" not in windowed, windowed
+    assert "l_x_ shard(2) -> split(1, whole sequence in 2) for conv1d" in blocked, blocked
+    assert "-> window" not in blocked, blocked
 
 
 def test_rows_of_a_token_permutation_are_not_mixed() -> None:

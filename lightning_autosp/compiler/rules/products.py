@@ -272,6 +272,10 @@ def convolution(a, node: fx.Node) -> Layout:
         return layout
     args = bind(node, conv_signature(node))
     groups, world = args.get("groups"), a.context.shard.world
+    window = _window(a, node, args, layout)
+    if a.windows_first and isinstance(window, ConvolutionWindow):
+        a.plan.windows[node] = window
+        return layout
     if op_name(node).startswith("conv") and isinstance(groups, int) and groups % world == 0:
         operands = [Operand(source, {d: d for d in range(ndim(source))}), Operand(args["weight"], {0: 1})]
         if isinstance(args["bias"], fx.Node):
@@ -280,7 +284,6 @@ def convolution(a, node: fx.Node) -> Layout:
         if regrouped is not None:
             a.plan.split_convolutions[node] = groups // world
             return regrouped
-    window = _window(a, node, args, layout)
     if isinstance(window, ConvolutionWindow):
         a.plan.windows[node] = window
         return layout
