@@ -38,7 +38,8 @@ Note [Redistribution]
     - ``replicate | global -> split(k)``: this rank's block of dim k, cut locally (a per-head bias).
     - ``shard(s)`` with a window: a convolution along the sequence (stride 1) reads, around this rank's
       positions, the neighbouring shards' boundary rows, which one all-to-all of those rows brings
-      (``Plan.windows``; Note [Windows of the sequence] in ``ops.py``).
+      (``Plan.windows``; Note [Windows of the sequence] in ``ops.py``); so do replicated tokens joined to
+      the sequence at its start or end, every shard shifted (``Plan.insertions``).
 
     Lowering re-derives nothing: every move is one record, and ``explain()`` lists each with its op,
     the user's source line, the collective and its bytes.

@@ -89,8 +89,13 @@ def set_mask(node: fx.Node, mask: object, is_causal: bool) -> None:
     }
 
 
-def sdpa_pass(graph: fx.Graph, node: fx.Node, ctx: SPContext, report) -> None:
-    """Rewrite one SDPA call (its mask already set for the whole sequence by ``set_mask``)."""
+def sdpa_pass(
+    graph: fx.Graph, node: fx.Node, ctx: SPContext, report, seq_lens: list[int] | None = None
+) -> None:
+    """Rewrite one SDPA call (its mask already set for the whole sequence by ``set_mask``). ``seq_lens``:
+    every rank's positions of q, k and v where their sequence is derived from the batch's (tokens
+    joined to it, a convolution's output), as ``SequenceShard.counts`` gives them."""
+    comm_args = ctx.ulysses_comm_args if seq_lens is None else (seq_lens, ctx.shard.rank, ctx.group_name)
     world = ctx.shard.ulysses_degree
     args = bind(node, SDPA_SIGNATURE)
     query, key, value = args["query"], args["key"], args["value"]
@@ -115,7 +120,7 @@ def sdpa_pass(graph: fx.Graph, node: fx.Node, ctx: SPContext, report) -> None:
         # permuted views (Note [Token-major all-to-all]). There: one copy each, next to S x S scores.
         copy = {"contiguous": True} if args["attn_mask"] is not None else {}
         tensors = _in_attention_dtype(graph, node, (query, key, value), report)
-        q, k, v = seq_to_head_together(graph, tensors, (1, 2), ctx.ulysses_comm_args, report, copy)
+        q, k, v = seq_to_head_together(graph, tensors, (1, 2), comm_args, report, copy)
     args.update(query=q, key=k, value=v)
     node.args = (q, k, v)
     node.kwargs = {
@@ -127,7 +132,7 @@ def sdpa_pass(graph: fx.Graph, node: fx.Node, ctx: SPContext, report) -> None:
         attention = _lower_to_ring_attention(graph, node, ctx)
         report.ring_attention.append(node.name)
     with graph.inserting_after(attention):
-        back = call(graph, _HEAD_TO_SEQ, (attention, 1, 2, *ctx.ulysses_comm_args))
+        back = call(graph, _HEAD_TO_SEQ, (attention, 1, 2, *comm_args))
     redirect_uses(attention, back)
     report.attention.append(node.name)
     report.all_to_alls += 1  # the output's; q, k and v's counted above

@@ -70,6 +70,11 @@ Note [Windows of the sequence]
     the rows come from whichever ranks hold them. Its gradient is the all-to-all back (the
     functional collective's formula): the gradient of a boundary row returns to its owner and is added
     to the gradient of that row's own use there.
+
+    Tokens joined to the sequence at its start or end (``cat([registers, x, summary])`` along it, the
+    joined tokens replicated) are the same move: a rank owns positions of the longer sequence as of any
+    sequence-derived one (``SequenceShard.owned_range``), which read x shifted by the prefix's length,
+    with the prefix's last rows and the suffix's first in place of the zeros.
 """
 
 from __future__ import annotations
@@ -235,12 +240,21 @@ def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
 
 
 def sequence_window(
-    x: Tensor, dim: int, starts: list[int], stops: list[int], seq_lens: list[int], rank: int, group_name: str
+    x: Tensor,
+    dim: int,
+    starts: list[int],
+    stops: list[int],
+    seq_lens: list[int],
+    rank: int,
+    group_name: str,
+    before: Tensor | None = None,
+    after: Tensor | None = None,
 ) -> Tensor:
     """Rows ``starts[rank]`` to ``stops[rank]`` of the global sequence along ``dim`` (Note [Windows of the
-    sequence]): this rank's own, the other ranks' boundary rows that fall inside, and zeros outside the
-    sequence. ``starts`` / ``stops``: every rank's window, in global positions; ``seq_lens``: every rank's
-    shard length (contiguous shards, in rank order)."""
+    sequence]): this rank's own, the other ranks' boundary rows that fall inside, and outside the sequence
+    zeros, or the last rows of ``before`` and the first of ``after`` (tokens joined to it). ``starts`` /
+    ``stops``: every rank's window, in global positions; ``seq_lens``: every rank's shard length
+    (contiguous shards, in rank order)."""
     world = len(seq_lens)
     offsets = [sum(seq_lens[:j]) for j in range(world)]
     length = offsets[-1] + seq_lens[-1]
@@ -258,12 +272,22 @@ def sequence_window(
     received = _all_to_all(send.contiguous(), receives, [count for _, count in sends], group_name)
     from_below = sum(receives[:rank])
     own_start, own_count = overlap(rank, rank)
+    # window positions before 0 and from the length on: zeros, or rows of the joined tokens
+    head = max(min(stops[rank], 0) - starts[rank], 0)
+    tail_start = max(starts[rank], length)
+    tail = max(stops[rank] - tail_start, 0)
+    if before is None:
+        before = rows.new_zeros((head, *rows.shape[1:])).movedim(0, dim)
+    if after is None:
+        after = rows.new_zeros((tail, *rows.shape[1:])).movedim(0, dim)
+    before_rows, after_rows = before.movedim(dim, 0), after.movedim(dim, 0)
+    joined_before, joined_after = before_rows.shape[0], after_rows.shape[0]
     pieces = [
-        rows.new_zeros((max(-starts[rank], 0), *rows.shape[1:])),
+        before_rows.narrow(0, min(joined_before + starts[rank], joined_before - head), head),
         received.narrow(0, 0, from_below),
         rows.narrow(0, own_start, own_count),
         received.narrow(0, from_below, received.shape[0] - from_below),
-        rows.new_zeros((max(stops[rank] - length, 0), *rows.shape[1:])),
+        after_rows.narrow(0, min(tail_start - length, joined_after - tail), tail),
     ]
     return torch.cat(pieces).movedim(0, dim)
 

@@ -88,11 +88,24 @@ class ConvolutionWindow:
         return first - self.pad_before, stop - self.pad_before + self.extent
 
 
+@dataclass(frozen=True)
+class TokenInsertion:
+    """Replicated tokens joined to a sharded sequence at its start or end (``cat([prefix, x, suffix])``
+    along it): this rank's positions of the longer sequence, from a window of ``x`` with the prefix and
+    suffix in place of zeros (Note [Windows of the sequence] in ops.py)."""
+
+    dim: int
+    index: int  # the sharded operand's place among the joined tensors
+    before: int  # positions the tensors before it add
+    after: int  # and those after it
+
+
 @dataclass
 class Plan:
     """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
 
     attention: list[fx.Node] = field(default_factory=list)  # SDPA / flash-attn calls
+    attention_lengths: dict[fx.Node, object] = field(default_factory=dict)  # SDPA on a derived length
     positions: list[fx.Node] = field(default_factory=list)  # arange(S_r) -> this rank's positions
     tables: list[fx.Node] = field(default_factory=list)  # table[:S_r] -> rows at this rank's positions
     slices: list[fx.Node] = field(default_factory=list)  # slices / narrows / right pads along the sequence
@@ -107,6 +120,7 @@ class Plan:
     value_sizes: dict[tuple[fx.Node, fx.Node], None] = field(default_factory=dict)  # (user, size) as values
     global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
     windows: dict[fx.Node, ConvolutionWindow] = field(default_factory=dict)  # convolutions along it
+    insertions: dict[fx.Node, TokenInsertion] = field(default_factory=dict)  # tokens joined to it
 
     def traffic(self) -> tuple[int, int]:
         """(collectives, bytes this rank holds of what they move) of the moves and windows, at the traced

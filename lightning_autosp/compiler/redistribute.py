@@ -21,7 +21,9 @@ becomes::
 
     x [N, C, S_r] -> sequence_window(2, ...) -> [N, C, S_r' + e] -> conv1d(padding=0) -> [N, C, S_r']
 
-(e: dilation * (kernel - 1); S_r': the output positions this rank owns).
+(e: dilation * (kernel - 1); S_r': the output positions this rank owns). Tokens joined to the sequence
+likewise: ``cat([prefix, x], 1)`` -> ``sequence_window(x, 1, ..., prefix)``, this rank's positions of the
+longer sequence.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from torch import fx
 from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name, source_line, with_sizes
-from lightning_autosp.compiler.plan import ConvolutionWindow, Redistribution
+from lightning_autosp.compiler.fx_utils import bind, call, meta_value, op_name, source_line, with_sizes
+from lightning_autosp.compiler.plan import ConvolutionWindow, Redistribution, TokenInsertion
 from lightning_autosp.compiler.recompute import GlobalCopier
 from lightning_autosp.compiler.rules.products import conv_signature
 
@@ -64,7 +66,38 @@ def redistribute_pass(gm: fx.GraphModule, copier: GlobalCopier, ctx: SPContext) 
     for node, window in analysis.plan.windows.items():
         if node in graph.nodes:
             lines.append(_window_convolution(graph, analysis, ctx, node, window))
+    for node, inserted in analysis.plan.insertions.items():
+        if node in graph.nodes:
+            lines.append(_insert_tokens(graph, analysis, ctx, node, inserted))
     return lines
+
+
+def _insert_tokens(
+    graph: fx.Graph, analysis: Analysis, ctx: SPContext, node: fx.Node, inserted: TokenInsertion
+) -> str:
+    """``cat([prefix..., x, suffix...])`` along the sequence -> this rank's positions of the joined
+    sequence (as ``SequenceShard.owned_range`` owns a longer sequence's): a window of ``x`` shifted by
+    the prefix's length, the prefix and suffix where it passes x's ends."""
+    tensors = list(node.args[0] if node.args else node.kwargs["tensors"])
+    source, prefix, suffix = tensors[inserted.index], tensors[: inserted.index], tensors[inserted.index + 1 :]
+    length = analysis.global_value(analysis.shape(source)[inserted.dim])
+    joined = length + inserted.before + inserted.after
+    starts, stops = [], []
+    for rank in range(ctx.shard.world):
+        first, stop = dataclasses.replace(ctx.shard, rank=rank).owned_range(joined)
+        starts.append(first - inserted.before)
+        stops.append(stop - inserted.before)
+    with graph.inserting_before(node):
+        fills = [call(graph, torch.cat, (t, inserted.dim)) if t else None for t in (prefix, suffix)]
+    comm = (starts, stops, ctx.shard.counts(length), ctx.shard.rank, ctx.group_name, *fills)
+    window = _insert(graph, ops.sequence_window, (source, inserted.dim, *comm), before=node)
+    window.meta["example_value"] = meta_value(node)  # the joined sequence, as traced
+    node.replace_all_uses_with(window)
+    graph.erase_node(node)
+    return (
+        f"{source.name} {analysis.layouts.get(source)} -> joined with {inserted.before} tokens before and "
+        f"{inserted.after} after at {source_line(node)}: all-to-all of the neighbours' boundary rows"
+    )
 
 
 def _window_convolution(

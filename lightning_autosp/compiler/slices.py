@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler import ops  # noqa: F401  (registers torch.ops.autosp)
+from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, op_name
@@ -127,13 +127,15 @@ def _slice(
         ]
         halo_count = max(p[2] for p in plans)
         local_start, local_len, halo = plans[shard.rank]
-        if halo_count:
-            if halo_count > min(shard.seq_lens):
-                raise NotImplementedError(
-                    f"{node.name}: the slice reaches past the next rank's shard "
-                    f"({min(shard.seq_lens)} tokens); "
-                    "use longer sequences or a smaller sp_size."
-                )
+        if halo_count > min(shard.seq_lens):  # past the next rank's shard: a window of the sequence
+            starts, stops = [], []
+            for r in range(shard.world):
+                first, stop = SequenceShard(shard.global_len, shard.seq_lens, r).owned_range(out_len)
+                starts.append(first + start)
+                stops.append(stop + start)
+            comm = (starts, stops, shard.counts(in_len), shard.rank, ctx.group_name)
+            seq_fixed = call(graph, ops.sequence_window, (source, dim, *comm))
+        elif halo_count:
             args = (
                 source,
                 dim,

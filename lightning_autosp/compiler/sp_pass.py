@@ -171,6 +171,9 @@ def sequence_parallel_pass(
     for node in analysis.plan.attention:
         if node in analysis.flash_matches:
             attention.flash_pass(gm, analysis.flash_matches[node], ctx, report)
+        elif node in analysis.plan.attention_lengths:
+            length = analysis.global_value(analysis.plan.attention_lengths[node])
+            attention.sdpa_pass(gm.graph, node, ctx, report, ctx.shard.counts(length))
         else:
             attention.sdpa_pass(gm.graph, node, ctx, report)
     positions_pass(gm, analysis, ctx, report.positions)

@@ -289,7 +289,8 @@ class ConvolutionLM(_SGD):
     zero after than before); ``dilated``: kernel 3, dilation 4, padding 4; ``causal``: padding k - 1 then
     the first T outputs; ``valid``: no padding, the loss on the T - 2 outputs; ``spectrogram``: a 3x3
     ``Conv2d`` over [B, 1, T, C], time along the sequence; ``wide``: kernel 3, dilation 8, padding 8 (a
-    window reaching past a short neighbour's shard); ``strided``: stride 2 (refused)."""
+    window reaching past a short neighbour's shard); ``strided``: stride 2 (refused). Then causal attention
+    over the convolution's output positions."""
 
     def __init__(self, kind: str, dim: int = 16) -> None:
         super().__init__()
@@ -323,9 +324,41 @@ class ConvolutionLM(_SGD):
             if self.kind == "causal":
                 y = y[..., :T]
             x = y.transpose(1, 2) if self.kind in ("valid", "strided") else x + y.transpose(1, 2)
+        # attention over the convolution's positions (T - 2 of them for "valid")
+        heads = x.view(B, x.size(1), 4, -1).transpose(1, 2)
+        x = x + F.scaled_dot_product_attention(heads, heads, heads, is_causal=True).transpose(1, 2).flatten(2)
         logits = self.head(x)
         if self.kind == "strided":  # half the positions: a mean over them
             return logits.logsumexp(-1).mean()
         if self.kind == "valid":  # output t reads inputs t .. t + 2: it predicts token t + 3
             return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 3:].reshape(-1))
         return causal_lm_loss(logits, ids)
+
+
+class JoinedTokensLM(_SGD):
+    """Learned tokens joined to the sequence: two register tokens before it and a summary token after it
+    (``torch.cat`` along the sequence), learned positions for all of them, causal attention over the
+    joined sequence, and the LM loss on the sequence's own positions."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, before: int = 2, after: int = 1) -> None:
+        super().__init__()
+        self.heads, self.before, self.after = heads, before, after
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.registers = nn.Parameter(torch.randn(1, before, dim) * 0.1)
+        self.summary = nn.Parameter(torch.randn(1, after, dim) * 0.1)
+        self.positions = nn.Embedding(64, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        B = ids.size(0)
+        x = self.embed(ids)
+        x = torch.cat([self.registers.expand(B, -1, -1), x, self.summary.expand(B, -1, -1)], dim=1)
+        T = x.size(1)
+        x = x + self.positions(torch.arange(T, device=ids.device))
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(B, T, -1))
+        return causal_lm_loss(self.head(x[:, self.before : T - self.after]), ids)

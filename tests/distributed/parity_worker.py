@@ -221,7 +221,9 @@ CASES.update(
             SequenceIdiomGPT, {"idiom": "conv_over_sequence"}, seq_len=25, strategy_kwargs=INDUCTOR
         ),
         "idiom_refused_branch_on_length": Case(SequenceIdiomGPT, {"idiom": "branch_on_length"}),
-        "idiom_refused_insert_token": Case(SequenceIdiomGPT, {"idiom": "insert_token"}),
+        "idiom_insert_token": Case(
+            SequenceIdiomGPT, {"idiom": "insert_token"}, seq_len=25, strategy_kwargs=INDUCTOR
+        ),
     }
 )
 

@@ -26,10 +26,10 @@ EXACT = [
     "idiom_sort",  # an all-to-all to channels and back
     "idiom_pool_last_token",  # a partial pick, all-reduced
     "idiom_conv_over_sequence",  # Inductor + SAC: a window with the previous rank's boundary rows
+    "idiom_insert_token",  # Inductor + SAC: the sequence one longer, every shard shifted by one
 ]
 REFUSED = {
     "idiom_refused_branch_on_length": "branched on the sequence length",
-    "idiom_refused_insert_token": "concatenates along the sequence",
 }
 
 

@@ -214,10 +214,10 @@ class SequenceIdiomGPT(_SGD):
     Exact by redistribution: ``hand_written_attention`` softmax(QK^T)V; ``sort_over_sequence`` sorts
     activations along the sequence; ``cumsum_of_activations`` a running sum of activations;
     ``pool_last_token`` a loss on the last position (which lives on one rank); ``conv_over_sequence`` a full
-    (not grouped) causal convolution over the sequence (a window with the previous rank's last positions).
+    (not grouped) causal convolution over the sequence (a window with the previous rank's last positions);
+    ``insert_token`` a learned token inserted into the sequence (it grows by one, every shard shifts).
     Refused, naming this file's line: ``branch_on_length`` a Python branch on the length that the shard and
-    the whole sequence take differently; ``insert_token`` a learned token inserted into the sequence (it
-    grows by one).
+    the whole sequence take differently.
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:

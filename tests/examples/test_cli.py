@@ -181,8 +181,8 @@ def test_autosp_verify_cpu_demo_config(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(CLI_HANG_GUARD_S + 60)
 def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
-    # A loss that sorts activations along the sequence: the SP pass cannot make it exact, so verify shows
-    # the refusal, with the user's line, and exits non-zero.
+    # A Python branch on the length that a shard and the whole sequence take differently: the SP pass
+    # cannot make it exact, so verify shows the refusal, with the user's line, and exits non-zero.
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -195,7 +195,7 @@ def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
         },
         "model": {
             "class_path": "tests.distributed.user_modules.SequenceIdiomGPT",
-            "init_args": {"idiom": "insert_token"},
+            "init_args": {"idiom": "branch_on_length"},
         },
         "data": {"class_path": "tests.examples.cli_helpers.RandomTokens", "init_args": {"seq_len": 40}},
     }
@@ -203,7 +203,7 @@ def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config))
     output = run_cli(tmp_path, "verify", f"--config={path}", "--seq_len=25", expect_code=1)
     assert "25 tokens" in output
-    assert "concatenates along the sequence" in output and "user_modules.py" in output, output[-4000:]
+    assert "branched on the sequence length" in output and "user_modules.py" in output, output[-4000:]
     assert "REFUSED: the SP run stopped with the error above, on every rank" in output
 
 

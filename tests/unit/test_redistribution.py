@@ -118,15 +118,15 @@ def test_a_branch_on_the_length_is_named_first() -> None:
     from lightning_autosp.data import SequenceShard
     from tests.unit.sp_graphs import pass_on
 
-    def step(x, start):
+    def step(x):
         if x.size(1) > 12:  # 12 tokens on this rank, 24 in the sequence
             x = 2 * x
-        return torch.cat([start.expand(x.size(0), 1, -1), x], dim=1).sum()
+        return torch.cat([x, x.flip(-1)], dim=1).sum()  # two activations joined along the sequence
 
     shard = SequenceShard.balanced(24, 2, 0)
-    x, start = torch.randn(2, shard.local_len, 8, requires_grad=True), torch.randn(1, 1, 8)
+    x = torch.randn(2, shard.local_len, 8, requires_grad=True)
     with pytest.raises(NotImplementedError) as refusal:
-        pass_on(step, shard, x, start, sharded={0: 1})
+        pass_on(step, shard, x, sharded={0: 1})
     reasons = [line for line in str(refusal.value).splitlines() if line.startswith("- ")]
     assert "branched on the sequence length" in reasons[0], reasons
     assert any("concatenates along the sequence" in line for line in reasons[1:]), reasons
@@ -246,6 +246,20 @@ def test_a_sequence_convolution_reads_its_neighbours_rows(kind: str, world: int,
     simulated = assert_exact(mixers.ConvolutionLM(kind), batch(length), world)
     lines = "\n".join(simulated.reports[0].lines())
     assert "-> window of" in lines and "all-to-all of the neighbours' boundary rows" in lines, lines
+
+
+@pytest.mark.parametrize(("world", "length", "before"), [(2, 25, 2), (4, 26, 2), (4, 26, 9)])
+def test_tokens_joined_to_the_sequence_shift_it_across_the_ranks(
+    world: int, length: int, before: int
+) -> None:
+    """Note [Windows of the sequence]: the joined sequence is owned as any longer one; attention, positions
+    and the slice back to the batch's positions follow its length. 9 tokens before shards of 7 and 6: the
+    first rank's positions are all joined tokens, the second's start with some, and the slice back
+    reaches two ranks ahead (a window too, where it was refused)."""
+    torch.manual_seed(0)
+    simulated = assert_exact(mixers.JoinedTokensLM(before=before), batch(length), world)
+    lines = "\n".join(simulated.reports[0].lines())
+    assert f"joined with {before} tokens before and 1 after" in lines, lines
 
 
 def test_a_strided_convolution_over_the_sequence_is_refused() -> None:

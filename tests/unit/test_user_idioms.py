@@ -50,10 +50,11 @@ EXACT = {
     "pool_last_token": lambda: SequenceIdiomGPT("pool_last_token"),  # picked where it lives, all-reduced
     # a causal convolution over the sequence: a window with the previous rank's last 2 positions
     "conv_over_sequence": lambda: SequenceIdiomGPT("conv_over_sequence"),
+    # a learned token joined before the sequence: every position moves one rank boundary's worth
+    "insert_token": lambda: SequenceIdiomGPT("insert_token"),
 }
 REFUSED = {
     "branch_on_length": (None, "branched on the sequence length", "Make the branch independent"),
-    "insert_token": ("cat", "concatenates along the sequence", "Concatenate in the data pipeline"),
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 
+import sympy
 from torch import fx
 
 from lightning_autosp.compiler.flash import flash_refusal
@@ -377,6 +378,16 @@ def sdpa(a, node: fx.Node) -> Layout:
         )
     if mask_layout == PARTIAL:
         a.materialize(mask)
+    length = a.shape(query)[seq]
+    if not (isinstance(length, sympy.Symbol) and length in a.lengths):  # tokens joined, a convolution's
+        if a.context.shard.ring_degree > 1:
+            return a.refuse(
+                node,
+                f"attends over a sequence of {length} positions, derived from the batch's (ring attention "
+                "places whole chunks of the batch's tokens)",
+                "Attend over the batch's sequence, or use an sp_size (ulysses_degree) that divides the heads",
+            )
+        a.plan.attention_lengths[node] = length
     a.plan.attention.append(node)
     return shard(seq)
 
@@ -420,6 +431,14 @@ def flash(a, node: fx.Node) -> object:
         )
     if any(layout != shard(seq) for layout in layouts):
         return a.refuse(node, f"flash-attn with q/k/v of layouts {[str(x) for x in layouts]}", ATTENTION_FIX)
+    length = a.shape(match.operands["q"])[seq]
+    if not (isinstance(length, sympy.Symbol) and length in a.lengths):
+        return a.refuse(
+            node,
+            f"runs flash-attn over a sequence of {length} positions, derived from the batch's (tokens "
+            "joined to it, a convolution's output)",
+            "Use F.scaled_dot_product_attention there, or join the tokens in the data pipeline",
+        )
     a.plan.attention.append(node)
     value = meta_value(node)
     count = len(value) if isinstance(value, (tuple, list)) else 1

@@ -14,6 +14,7 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import flatten, meta_value
 from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard, split
+from lightning_autosp.compiler.plan import TokenInsertion
 from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import (
     arg,
@@ -299,6 +300,10 @@ def cat(a, node: fx.Node) -> Layout:
         a.materialize(tensor)
     dims = {d for layout in layouts for d in layout.dims}
     if dim in dims:
+        inserted = _inserted_tokens(a, node, operands, dim)
+        if inserted is not None:
+            a.plan.insertions[node] = inserted
+            return shard(dim)
         return a.mixes(
             node, "concatenates along the sequence", shard(*dims), "Concatenate in the data pipeline"
         )
@@ -307,6 +312,22 @@ def cat(a, node: fx.Node) -> Layout:
             node, "concatenates values of different sequence layouts", "Concatenate like with like"
         )
     return layouts[0] if layouts[0] != PARTIAL else REPLICATE
+
+
+def _inserted_tokens(a, node: fx.Node, operands: list[fx.Node], dim: int) -> TokenInsertion | None:
+    """``cat([prefix..., x, suffix...], dim)`` of one activation sharded along ``dim`` alone and replicated
+    tokens of fixed counts (learned start, register or memory tokens): None for anything else."""
+    sharded = [i for i, t in enumerate(operands) if a.layout(t) != REPLICATE]
+    if len(sharded) != 1 or node in a.token_data or not a.context.shard.is_contiguous:
+        return None
+    index = sharded[0]
+    layout = a.layout(operands[index])
+    if layout != shard(dim) or a.context.shard.ring_degree != 1:
+        return None
+    counts = [meta_value(t).shape[dim] for i, t in enumerate(operands) if i != index]
+    if not all(isinstance(count, int) for count in counts):
+        return None
+    return TokenInsertion(dim, index, sum(counts[:index]), sum(counts[index:]))
 
 
 def _has_no_elements(node: fx.Node) -> bool:
