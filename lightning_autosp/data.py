@@ -143,9 +143,12 @@ class SequenceShard:
         """How many positions of a sequence-derived tensor of ``length`` positions each rank owns."""
         if self.is_contiguous:  # by bounds: the length may be a SymInt (Note [One graph for every length])
             length = self.global_len if length is None else length
-            bounds = [replace(self, rank=rank).owned_range(length) for rank in range(self.world)]
-            return [stop - start for start, stop in bounds]
+            return [stop - start for start, stop in self.owned_ranges(length)]
         return [len(self.positions(length, rank)) for rank in range(self.world)]
+
+    def owned_ranges(self, length: int) -> list[tuple[int, int]]:
+        """Every rank's ``owned_range(length)``, in rank order (contiguous shards)."""
+        return [replace(self, rank=rank).owned_range(length) for rank in range(self.world)]
 
     def sequence_order(self, length: int | None = None) -> list[int]:
         """Indices that put every rank's shard of a sequence-derived tensor of ``length`` positions (default:

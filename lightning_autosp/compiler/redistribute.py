@@ -28,8 +28,6 @@ longer sequence.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import fx
 
@@ -81,12 +79,8 @@ def _insert_tokens(
     tensors = list(node.args[0] if node.args else node.kwargs["tensors"])
     source, prefix, suffix = tensors[inserted.index], tensors[: inserted.index], tensors[inserted.index + 1 :]
     length = analysis.global_value(analysis.shape(source)[inserted.dim])
-    joined = length + inserted.before + inserted.after
-    starts, stops = [], []
-    for rank in range(ctx.shard.world):
-        first, stop = dataclasses.replace(ctx.shard, rank=rank).owned_range(joined)
-        starts.append(first - inserted.before)
-        stops.append(stop - inserted.before)
+    owned = ctx.shard.owned_ranges(length + inserted.before + inserted.after)
+    starts, stops = ([end - inserted.before for end in ends] for ends in zip(*owned))
     with graph.inserting_before(node):
         fills = [call(graph, torch.cat, (t, inserted.dim)) if t else None for t in (prefix, suffix)]
     comm = (starts, stops, ctx.shard.counts(length), ctx.shard.rank, ctx.group_name, *fills)
@@ -110,19 +104,15 @@ def _window_convolution(
     source = args["input"]
     length = analysis.global_value(analysis.shape(source)[window.dim])
     out_length = window.output_length(length)
-    starts, stops = [], []
-    for rank in range(ctx.shard.world):
-        first, stop = dataclasses.replace(ctx.shard, rank=rank).owned_range(out_length)
+    owned = ctx.shard.owned_ranges(out_length)
+    for rank, (first, stop) in enumerate(owned):
         if stop - first <= 0:
             raise NotImplementedError(
                 f"{node.name}: the convolution's {out_length} output positions leave rank {rank} none; use "
                 "longer sequences or a smaller sp_size."
             )
-        start, stop = window.window(first, stop)
-        starts.append(start)
-        stops.append(stop)
-    seq_lens = ctx.shard.counts(length)
-    comm = (starts, stops, seq_lens, ctx.shard.rank, ctx.group_name)
+    starts, stops = zip(*(window.window(first, stop) for first, stop in owned))
+    comm = (list(starts), list(stops), ctx.shard.counts(length), ctx.shard.rank, ctx.group_name)
     args["input"] = _insert(graph, ops.sequence_window, (source, window.dim, *comm), before=node)
     padding = args["padding"]
     spatial_dims = meta_value(args["weight"]).dim() - 2

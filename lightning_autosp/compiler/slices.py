@@ -128,11 +128,7 @@ def _slice(
         halo_count = max(p[2] for p in plans)
         local_start, local_len, halo = plans[shard.rank]
         if halo_count > min(shard.seq_lens):  # past the next rank's shard: a window of the sequence
-            starts, stops = [], []
-            for r in range(shard.world):
-                first, stop = SequenceShard(shard.global_len, shard.seq_lens, r).owned_range(out_len)
-                starts.append(first + start)
-                stops.append(stop + start)
+            starts, stops = ([end + start for end in ends] for ends in zip(*shard.owned_ranges(out_len)))
             comm = (starts, stops, shard.counts(in_len), shard.rank, ctx.group_name)
             seq_fixed = call(graph, ops.sequence_window, (source, dim, *comm))
         elif halo_count:
