@@ -441,10 +441,14 @@ def check_numerics() -> dict:
             results[f"ignored_shard_{name}"] = train_compare(make, batches, sp_size=2, lr=0.1)
         except Exception as error:
             results[f"ignored_shard_{name}"] = {"error": f"{type(error).__name__}: {error}"}
-    try:
-        results["varying_lengths"] = check_varying_lengths()
-    except Exception as error:
-        results["varying_lengths"] = {"error": f"{type(error).__name__}: {error}"}
+    for name, check in (
+        ("varying_lengths", check_varying_lengths),
+        ("varying_windows", check_varying_windows),
+    ):
+        try:
+            results[name] = check()
+        except Exception as error:
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
     return results
 
 
@@ -465,6 +469,27 @@ def check_varying_lengths() -> dict:
     )
     result["lengths"] = list(VARYING_LENGTHS)
     return result
+
+
+# Windows of the sequence (Note [Windows of the sequence] in compiler/ops.py) at lengths that vary, odd and
+# even, shards down to 4 tokens: tokens joined to the sequence (one graph per length class), and a causal
+# convolution over it, whose Inductor CPU kernel fixes the length when compiled (as it does on one device:
+# a compile per length), so fewer lengths.
+VARYING_WINDOW_LENGTHS = {"joined_tokens": (24, 31, 17, 9, 22, 33, 8, 24), "convolution": (24, 31, 9)}
+
+
+def check_varying_windows() -> dict:
+    from tests.distributed.mixer_modules import JoinedTokensLM
+    from tests.distributed.user_modules import SequenceIdiomGPT
+
+    makers = {"joined_tokens": JoinedTokensLM, "convolution": lambda: SequenceIdiomGPT("conv_over_sequence")}
+    results = {}
+    for name, lengths in VARYING_WINDOW_LENGTHS.items():
+        batches = [stack(token_samples(2, n, seed=80 + i)) for i, n in enumerate(lengths)]
+        torch._dynamo.reset()
+        results[name] = train_compare(makers[name], batches, sp_size=2, lr=0.1, compiler="inductor")
+        results[name]["lengths"] = list(lengths)
+    return results
 
 
 # --------------------------------------------------------------------------------------------------

@@ -269,6 +269,30 @@ def test_sequence_lengths_that_vary_between_batches(checks):
         assert "compiled for this sequence length only" not in result["explain"], result["explain"]
 
 
+@pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
+@pytest.mark.parametrize("model", ["joined_tokens", "convolution"])
+def test_windows_of_the_sequence_at_lengths_that_vary(checks, model):
+    # Tokens joined to the sequence and a causal convolution over it (windows of the neighbours' rows, Note
+    # [Windows of the sequence]) at lengths that vary, odd and even, shards down to 4 tokens, Inductor +
+    # SAC: exact at every step. The joined tokens: one graph per length class. The convolution: one per
+    # length, because Inductor's CPU convolution fixes the length it is compiled for (one device too), which
+    # explain() names.
+    for rank, results in each_rank(checks, "numerics"):
+        result = results["varying_windows"]
+        assert "error" not in result, (rank, result)
+        result = result[model]
+        assert result["steps"] == len(result["lengths"]) and result["finite"], (rank, result)
+        assert result["loss_rel_err"] <= LOSS_TOLERANCE, (rank, result)
+        assert result["grad_rel_err"] <= GRAD_TOLERANCE, (rank, result)
+        if model == "joined_tokens":
+            classes = ["every length = 0 mod 2", "every length = 1 mod 2"]
+            assert result["layouts"] == classes, result["layouts"]
+            assert result["compiles"] == {f"training_step@{c}": 1 for c in classes}, result["compiles"]
+        else:
+            assert sum(result["compiles"].values()) == len(set(result["lengths"])), result["compiles"]
+            assert "compiling it fixed the length" in result["explain"], result["explain"]
+
+
 # 6. property test
 
 
