@@ -274,10 +274,9 @@ def convolution(a, node: fx.Node) -> Layout:
     args = bind(node, conv_signature(node))
     groups, world = args.get("groups"), a.context.shard.world
     window = _window(a, node, args, layout)
-    if a.windows_first and isinstance(window, ConvolutionWindow):
-        a.plan.windows[node] = window
-        return layout
-    if op_name(node).startswith("conv") and isinstance(groups, int) and groups % world == 0:
+    windowed = isinstance(window, ConvolutionWindow)
+    blocks = op_name(node).startswith("conv") and isinstance(groups, int) and groups % world == 0
+    if blocks and not (windowed and a.windows_first):  # Note [Windows or blocks] in sp_pass.py
         operands = [Operand(source, {d: d for d in range(ndim(source))}), Operand(args["weight"], {0: 1})]
         if isinstance(args["bias"], fx.Node):
             operands.append(Operand(args["bias"], {0: 1}))
@@ -285,7 +284,7 @@ def convolution(a, node: fx.Node) -> Layout:
         if regrouped is not None:
             a.plan.split_convolutions[node] = groups // world
             return regrouped
-    if isinstance(window, ConvolutionWindow):
+    if windowed:
         a.plan.windows[node] = window
         return layout
     return a.refuse(
@@ -378,8 +377,8 @@ def sdpa(a, node: fx.Node) -> Layout:
         )
     if mask_layout == PARTIAL:
         a.materialize(mask)
-    length = a.shape(query)[seq]
-    if not (isinstance(length, sympy.Symbol) and length in a.lengths):  # tokens joined, a convolution's
+    length = _derived_length(a, query, seq)
+    if length is not None:
         if a.context.shard.ring_degree > 1:
             return a.refuse(
                 node,
@@ -390,6 +389,16 @@ def sdpa(a, node: fx.Node) -> Layout:
         a.plan.attention_lengths[node] = length
     a.plan.attention.append(node)
     return shard(seq)
+
+
+def _derived_length(a, tensor: fx.Node, dim: int) -> sympy.Expr | None:
+    """``tensor``'s length along ``dim`` where it is derived from the batch's sequence (tokens joined to
+    it, a convolution's output), not the sequence's own; None where it is the sequence's."""
+    shape = a.shape(tensor)
+    length = None if shape is None else shape[dim]
+    if not a.has_sequence_symbol(length) or (isinstance(length, sympy.Symbol) and length in a.lengths):
+        return None
+    return length
 
 
 def _refuse_mask(a, node: fx.Node) -> Layout:
@@ -431,8 +440,8 @@ def flash(a, node: fx.Node) -> object:
         )
     if any(layout != shard(seq) for layout in layouts):
         return a.refuse(node, f"flash-attn with q/k/v of layouts {[str(x) for x in layouts]}", ATTENTION_FIX)
-    length = a.shape(match.operands["q"])[seq]
-    if not (isinstance(length, sympy.Symbol) and length in a.lengths):
+    length = _derived_length(a, match.operands["q"], seq)
+    if length is not None:
         return a.refuse(
             node,
             f"runs flash-attn over a sequence of {length} positions, derived from the batch's (tokens "
