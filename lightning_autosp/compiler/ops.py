@@ -276,18 +276,22 @@ def sequence_window(
     head = max(min(stops[rank], 0) - starts[rank], 0)
     tail_start = max(starts[rank], length)
     tail = max(stops[rank] - tail_start, 0)
-    if before is None:
-        before = rows.new_zeros((head, *rows.shape[1:])).movedim(0, dim)
-    if after is None:
-        after = rows.new_zeros((tail, *rows.shape[1:])).movedim(0, dim)
-    before_rows, after_rows = before.movedim(dim, 0), after.movedim(dim, 0)
-    joined_before, joined_after = before_rows.shape[0], after_rows.shape[0]
+
+    def outside(tokens: Tensor | None, first: int, count: int) -> Tensor:
+        """``count`` rows of ``tokens`` from row ``first`` (clamped: ``first`` may lie past them where
+        ``count`` is 0), or zeros where nothing is joined."""
+        if tokens is None:
+            return rows.new_zeros((count, *rows.shape[1:]))
+        joined = tokens.movedim(dim, 0)
+        return joined.narrow(0, min(first, joined.shape[0]), count)
+
     pieces = [
-        before_rows.narrow(0, min(joined_before + starts[rank], joined_before - head), head),
+        # the prefix holds positions -len(before) .. -1, the suffix length .. length + len(after) - 1
+        outside(before, starts[rank] + (0 if before is None else before.shape[dim]), head),
         received.narrow(0, 0, from_below),
         rows.narrow(0, own_start, own_count),
         received.narrow(0, from_below, received.shape[0] - from_below),
-        after_rows.narrow(0, min(tail_start - length, joined_after - tail), tail),
+        outside(after, tail_start - length, tail),
     ]
     return torch.cat(pieces).movedim(0, dim)
 

@@ -105,6 +105,30 @@ def test_shift_from_next_on_the_only_rank(gloo_group: str) -> None:
     assert torch.equal(x.grad, expected)
 
 
+@pytest.mark.parametrize(
+    ("start", "stop", "expected"),
+    [
+        (-2, 3, [0, 0, 0, 1, 2]),  # zeros before the sequence, then its rows
+        (3, 7, [3, 4, 0, 0]),  # its rows, then zeros past its end
+        (-3, -1, [0, 0]),  # wholly before it
+        (5, 7, [0, 0]),  # wholly past it
+    ],
+)
+def test_a_window_of_the_sequence_on_the_only_rank(gloo_group: str, start, stop, expected) -> None:
+    """Note [Windows of the sequence]: rows [start, stop) of a 5-token sequence, zeros outside it, or the
+    rows of tokens joined before (positions -3 .. -1: 10, 11, 12) and after (5, 6: 20, 21)."""
+    x = torch.arange(5.0).view(1, 5, 1).requires_grad_()
+    window = collectives.sequence_window(x, 1, [start], [stop], [5], 0, gloo_group)
+    assert window.flatten().tolist() == expected
+    before, after = torch.tensor([10.0, 11.0, 12.0]).view(1, 3, 1), torch.tensor([20.0, 21.0]).view(1, 2, 1)
+    joined = collectives.sequence_window(x, 1, [start], [stop], [5], 0, gloo_group, before, after)
+    whole = [10, 11, 12, 0, 1, 2, 3, 4, 20, 21]  # positions -3 .. 6
+    assert joined.flatten().tolist() == whole[start + 3 : stop + 3]
+    (2 * joined).sum().backward()
+    inside = range(max(start, 0), min(stop, 5))
+    assert x.grad.flatten().tolist() == [2.0 if i in inside else 0.0 for i in range(5)]
+
+
 def test_fake_shapes_for_several_ranks() -> None:
     """The fake kernels never touch the group, so shapes for any world size can be checked here."""
     with FakeTensorMode():
