@@ -1,18 +1,18 @@
 """Collectives the SP pass inserts.
 
-The all-to-alls around attention and the all-reduce of the loss (the volume) are plain Python functions
-built from PyTorch's functional collectives (``torch.ops._c10d_functional``): the pass inserts a call to
+The all-to-alls around attention, the all-reduce of the loss (the volume) and the windows of the sequence
+that slices and convolutions read across shard boundaries are plain Python functions built from PyTorch's
+functional collectives (``torch.ops._c10d_functional``): the pass inserts a call to
 them in the Dynamo graph, AOTAutograd traces through them, and Inductor sees real collectives
 (``all_to_all_single`` / ``all_reduce`` + ``wait_tensor``) with the copies around them as ordinary ops it
 can fuse and free (Note [Functional collectives]). Their gradients are the functional collectives'
 registered autograd formulas: the reverse all-to-all, the sum of the ranks' gradients.
 
-The rarer collectives (the halo of a shifted slice, token data gathered for a mask, maxima over the
-sequence) stay ``torch.library`` custom ops: an eager implementation (``torch.distributed`` calls on the
-group named by ``group_name``), a fake implementation so Dynamo, AOTAutograd and Inductor can trace
-shapes, and a registered autograd formula (a hand-written ``autograd.Function`` around an out-argument
-collective silently produced zero gradients in DeepSpeed PR 8491; these ops are checked with
-``torch.library.opcheck``).
+The rarer collectives (token data gathered for a mask, maxima over the sequence) stay ``torch.library``
+custom ops: an eager implementation (``torch.distributed`` calls on the group named by ``group_name``),
+a fake implementation so Dynamo, AOTAutograd and Inductor can trace shapes, and a registered autograd
+formula (a hand-written ``autograd.Function`` around an out-argument collective silently produced zero
+gradients in DeepSpeed PR 8491; these ops are checked with ``torch.library.opcheck``).
 
 Shape letters: B batch, H heads, S global sequence, S_r rank r's shard, D head dim, P sp ranks.
 Sequence shards may be uneven (``seq_lens`` lists every rank's shard length, in rank order).
@@ -70,6 +70,11 @@ Note [Windows of the sequence]
     the rows come from whichever ranks hold them. Its gradient is the all-to-all back (the
     functional collective's formula): the gradient of a boundary row returns to its owner and is added
     to the gradient of that row's own use there.
+
+    A slice of the sequence (the label shift ``labels[:, 1:]``, ``x[:, k:]``) is the same move with a
+    window as long as the rank's output: the target of a rank's last position is the next rank's first
+    token, which the next rank sends back in the all-to-all, and its gradient (if any) returns with the
+    backward all-to-all.
 
     Tokens joined to the sequence at its start or end (``cat([registers, x, summary])`` along it, the
     joined tokens replicated) are the same move: a rank owns positions of the longer sequence as of any
@@ -299,110 +304,6 @@ def sequence_window(
 COLLECTIVE_FUNCTIONS = frozenset(
     {seq_to_head, seq_to_head_packed, head_to_seq, all_reduce_sum, sequence_window}
 )
-
-
-@torch.library.custom_op("autosp::shift_from_next", mutates_args=())
-def shift_from_next(
-    x: Tensor,
-    dim: int,
-    start: int,
-    length: int,
-    halo: int,
-    halo_count: int,
-    rank: int,
-    world: int,
-    group_name: str,
-) -> Tensor:
-    """``cat(x.narrow(dim, start, length), first `halo` elements of rank+1's x)`` along ``dim``.
-
-    Rebuilds a left shift (``labels[:, 1:]``) across a shard boundary: the target of a rank's last
-    position is the next rank's first token. Every rank sends its first ``halo_count`` elements (the
-    most any rank needs), so the collective is the same on all ranks; the last rank takes none.
-    One op for the whole shifted value keeps the collective alive on ranks that use none of it.
-    """
-    head = x.narrow(dim, 0, halo_count).contiguous()
-    gathered = [torch.empty_like(head) for _ in range(world)]
-    dist.all_gather(gathered, head, group=_group(group_name))
-    pieces = [x.narrow(dim, start, length)]
-    if rank + 1 < world:
-        pieces.append(gathered[rank + 1].narrow(dim, 0, halo))
-    return torch.cat(pieces, dim=dim)
-
-
-@shift_from_next.register_fake
-def _(
-    x: Tensor,
-    dim: int,
-    start: int,
-    length: int,
-    halo: int,
-    halo_count: int,
-    rank: int,
-    world: int,
-    group_name: str,
-) -> Tensor:
-    shape = list(x.shape)
-    shape[dim] = length + (halo if rank + 1 < world else 0)
-    return x.new_empty(shape)
-
-
-@torch.library.custom_op("autosp::shift_from_next_backward", mutates_args=())
-def shift_from_next_backward(
-    grad: Tensor,
-    dim: int,
-    input_len: int,
-    start: int,
-    length: int,
-    halo: int,
-    halo_count: int,
-    rank: int,
-    world: int,
-    group_name: str,
-) -> Tensor:
-    """Gradient of ``shift_from_next``: the halo's gradient goes back to the rank it came from."""
-    shape = list(grad.shape)
-    shape[dim] = input_len
-    grad_input = grad.new_zeros(shape)
-    grad_input.narrow(dim, start, length).copy_(grad.narrow(dim, 0, length))
-    sent = grad.new_zeros([*shape[:dim], halo_count, *shape[dim + 1 :]])
-    if rank + 1 < world:
-        sent.narrow(dim, 0, halo).copy_(grad.narrow(dim, length, halo))
-    gathered = [torch.empty_like(sent) for _ in range(world)]
-    dist.all_gather(gathered, sent, group=_group(group_name))
-    if rank > 0:
-        grad_input.narrow(dim, 0, halo_count).add_(gathered[rank - 1])
-    return grad_input
-
-
-@shift_from_next_backward.register_fake
-def _(
-    grad: Tensor,
-    dim: int,
-    input_len: int,
-    start: int,
-    length: int,
-    halo: int,
-    halo_count: int,
-    rank: int,
-    world: int,
-    group_name: str,
-) -> Tensor:
-    shape = list(grad.shape)
-    shape[dim] = input_len
-    return grad.new_empty(shape)
-
-
-def _shift_setup_context(ctx, inputs, output) -> None:
-    x, *ctx.args = inputs
-    ctx.input_len = x.shape[ctx.args[0]]
-
-
-def _shift_backward(ctx, grad: Tensor):
-    dim, *rest = ctx.args
-    return (shift_from_next_backward(grad, dim, ctx.input_len, *rest), *[None] * len(ctx.args))
-
-
-shift_from_next.register_autograd(_shift_backward, setup_context=_shift_setup_context)
 
 
 @torch.library.custom_op("autosp::gather_sequence", mutates_args=())

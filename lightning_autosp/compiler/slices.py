@@ -5,11 +5,15 @@ rank's first token. Before (rank r, global length S)::
 
     labels [B, S_r] -> labels[:, 1:] -> [B, S_r - 1]          # loses the boundary target
 
-After (rank r < P-1)::
+After, every rank reads the window of the source that its output positions take (Note [Windows of the
+sequence] in ``ops.py``; rank r owns positions [o(r), o(r + 1)) of the output)::
 
-    labels [B, S_r] -> shift_from_next(labels, start=1) -> [B, S_r]   # = cat(labels[:, 1:], next[:, :1])
+    labels [B, S_r] -> sequence_window(labels, [o(r) + 1, o(r + 1) + 1)) -> [B, S_r]
+                    = cat(labels[:, 1:], next rank's labels[:, :1])
 
-and on the last rank ``labels[:, 1:]`` (it owns positions up to S - 1). Likewise ``logits[:, :-1]`` drops a
+and on the last rank ``labels[:, 1:]`` (it owns positions up to S - 1). The window is one all-to-all in
+which a rank sends its first token to the rank before it; a slice whose every window lies within its own
+rank's shard is a narrow, with no collective on any rank. Likewise ``logits[:, :-1]`` drops a
 position on the last rank only, and a right pad (HF's ``pad(labels, (0, 1), value=-100)``) pads the last
 rank only. Bounds may be sequence lengths (``x[:, : T - 1]``): they are read at the global length.
 Under a zigzag layout an element comes from this rank or, at a range's end, from the rank holding the
@@ -121,48 +125,23 @@ def _slice(
     if not shard.is_contiguous:
         seq_fixed = _slice_by_positions(graph, source, dim, in_len, start, out_len, ctx)
     else:
-        plans = [
-            _plan(SequenceShard(shard.global_len, shard.seq_lens, r), in_len, start, out_len)
-            for r in range(shard.world)
-        ]
-        halo_count = max(p[2] for p in plans)
-        local_start, local_len, halo = plans[shard.rank]
-        if halo_count > min(shard.seq_lens):  # past the next rank's shard: a window of the sequence
-            starts, stops = ([end + start for end in ends] for ends in zip(*shard.owned_ranges(out_len)))
+        # every rank's window of the source: [lo + start, hi + start) for the output positions [lo, hi)
+        windows = [(lo + start, hi + start) for lo, hi in shard.owned_ranges(out_len)]
+        inputs = shard.owned_ranges(in_len)
+        if all(lo == hi or (a <= lo and hi <= b) for (lo, hi), (a, b) in zip(windows, inputs)):
+            lo, hi = windows[shard.rank]  # every window within its own shard: no collective on any rank
+            local_start = lo - inputs[shard.rank][0] if lo < hi else 0
+            seq_fixed = call(graph, torch.narrow, (source, dim, local_start, hi - lo))
+        else:  # a window reaches into the next ranks' shards: Note [Windows of the sequence]
+            starts, stops = (list(bounds) for bounds in zip(*windows))
             comm = (starts, stops, shard.counts(in_len), shard.rank, ctx.group_name)
             seq_fixed = call(graph, ops.sequence_window, (source, dim, *comm))
-        elif halo_count:
-            args = (
-                source,
-                dim,
-                local_start,
-                local_len,
-                halo,
-                halo_count,
-                shard.rank,
-                shard.world,
-                ctx.group_name,
-            )
-            seq_fixed = call(graph, torch.ops.autosp.shift_from_next.default, args)
-        else:
-            seq_fixed = call(graph, torch.narrow, (source, dim, local_start, local_len))
     if op_name(node) != "getitem":
         return seq_fixed
     rest = _replace_item(node.args[1], rank, dim)
     if all(item == slice(None) or item is Ellipsis for item in rest):
         return seq_fixed
     return call(graph, operator.getitem, (seq_fixed, rest))
-
-
-def _plan(shard: SequenceShard, in_len: int, start: int, out_len: int) -> tuple[int, int, int]:
-    """(local start, local length, halo length) of the slice [start, start + out_len) on ``shard``'s rank."""
-    lo, hi = shard.owned_range(out_len)
-    lo_in, hi_in = shard.owned_range(in_len)
-    need_lo, need_hi = lo + start, hi + start
-    local_hi = min(need_hi, hi_in)
-    local = max(0, local_hi - need_lo)
-    halo = max(0, need_hi - max(hi_in, need_lo))
-    return (need_lo - lo_in if local else 0), local, halo
 
 
 def _slice_by_positions(

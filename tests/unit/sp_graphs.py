@@ -36,7 +36,7 @@ SEQ_TO_HEAD = ops.seq_to_head
 SEQ_TO_HEAD_PACKED = ops.seq_to_head_packed
 HEAD_TO_SEQ = ops.head_to_seq
 ALL_REDUCE_SUM = ops.all_reduce_sum
-SHIFT_FROM_NEXT = torch.ops.autosp.shift_from_next.default
+SEQUENCE_WINDOW = ops.sequence_window
 
 # kind -> (factory, q heads, head dim)
 MODULES: dict[str, tuple[Callable[[], torch.nn.Module], int, int]] = {

@@ -19,7 +19,6 @@ from lightning_autosp.compiler.ops import (
     is_collective,
 )
 
-ops = torch.ops.autosp
 LAYOUTS = {"BHSD": (1, 2), "BSHD": (2, 1)}
 
 
@@ -64,16 +63,6 @@ def test_all_reduce_sum_is_a_functional_collective(gloo_group: str) -> None:
     ]
 
 
-@pytest.mark.parametrize("shift", [1, 2])
-def test_opcheck_shift_from_next(gloo_group: str, shift: int) -> None:
-    x = _x((2, 6, 3))
-    # the only rank is the last: it keeps x[:, shift:] and takes no halo, but still sends its head
-    args = (1, shift, 6 - shift, 0, shift, 0, 1, gloo_group)
-    torch.library.opcheck(ops.shift_from_next, (x, *args))
-    grad = torch.randn(2, 6 - shift, 3, dtype=torch.float64)
-    torch.library.opcheck(ops.shift_from_next_backward, (grad, 1, 6, *args[1:]))
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_round_trip_is_identity_and_gradients_flow(gloo_group: str, layout: str) -> None:
     head_dim, seq_dim = LAYOUTS[layout]
@@ -95,19 +84,10 @@ def test_all_reduce_sum_single_rank(gloo_group: str) -> None:
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
 
 
-def test_shift_from_next_on_the_only_rank(gloo_group: str) -> None:
-    x = _x((2, 6, 3))
-    shifted = ops.shift_from_next(x, 1, 1, 5, 0, 1, 0, 1, gloo_group)  # labels[:, 1:]
-    assert torch.equal(shifted, x[:, 1:])
-    (2 * shifted).sum().backward()
-    expected = torch.full_like(x, 2.0)
-    expected[:, 0] = 0  # the first token is nobody's target
-    assert torch.equal(x.grad, expected)
-
-
 @pytest.mark.parametrize(
     ("start", "stop", "expected"),
     [
+        (1, 5, [1, 2, 3, 4]),  # a slice: the label shift x[:, 1:]
         (-2, 3, [0, 0, 0, 1, 2]),  # zeros before the sequence, then its rows
         (3, 7, [3, 4, 0, 0]),  # its rows, then zeros past its end
         (-3, -1, [0, 0]),  # wholly before it
@@ -139,11 +119,6 @@ def test_fake_shapes_for_several_ranks() -> None:
         assert tuple(back.shape) == (2, 6, 5, 3)
         q, k = collectives.seq_to_head_packed([x, x[:, :3]], 1, 2, [6, 5, 5], 1, "no_group")
         assert (tuple(q.shape), tuple(k.shape)) == ((2, 2, 16, 3), (2, 1, 16, 3))
-        # x[:, :, 1:] plus one token of the next rank, except on the last rank
-        assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 1, 3, "no_group").shape) == (2, 6, 5, 3)
-        assert tuple(ops.shift_from_next(x, 2, 1, 4, 1, 1, 2, 3, "no_group").shape) == (2, 6, 4, 3)
-        grad = torch.empty(2, 6, 5, 3)
-        assert tuple(ops.shift_from_next_backward(grad, 2, 5, 1, 4, 1, 1, 1, 3, "g").shape) == (2, 6, 5, 3)
         assert tuple(collectives.all_reduce_sum(torch.empty(()), "no_group").shape) == ()
 
 

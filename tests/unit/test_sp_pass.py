@@ -32,7 +32,7 @@ from tests.unit.sp_graphs import (
     MODULES,
     SEQ_TO_HEAD,
     SEQ_TO_HEAD_PACKED,
-    SHIFT_FROM_NEXT,
+    SEQUENCE_WINDOW,
     ancestors,
     capture,
     fake_propagate,
@@ -390,15 +390,18 @@ def test_label_shift_fetches_the_next_shard_head(kind, global_len, world, rank, 
     rewritten = rewritten_step(kind, global_len, world, rank)
     gm, report = rewritten.gm, rewritten.report
     (ids,) = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.endswith("input_ids_")]
-    # one op for the whole shifted labels, on every rank, the last one included (it takes no halo but
-    # still sends its head), so that the all_gather inside matches across ranks
-    (shift,) = nodes_with_target(gm, SHIFT_FROM_NEXT)
-    source, dim, start, length, halo, halo_count, *rest = traced(shift.args)
+    # one window of the labels on every rank, the last one included (it takes no row from another rank but
+    # sends its first token back), so that the all-to-all inside matches across ranks
+    (shift,) = nodes_with_target(gm, SEQUENCE_WINDOW)
+    source, dim, starts, stops, seq_lens, *rest = traced(shift.args)
     assert ids in ancestors(source)
-    assert (dim, start, halo_count) == (1, 1, 1)
-    assert halo == (1 if rank + 1 < world else 0)
-    assert length + halo == tokens
-    assert rest == [rank, world, GROUP]
+    offsets = [sum(seq_lens[:r]) for r in range(world)]
+    # rank r's targets are positions o(r) + 1 .. o(r + 1) of the labels (HF's padded to S + 1), the last
+    # rank's up to their end
+    assert (dim, starts) == (1, [offset + 1 for offset in offsets])
+    assert stops == [*(offset + 1 for offset in offsets[1:]), sum(seq_lens)]
+    assert stops[rank] - starts[rank] == tokens
+    assert rest == [rank, GROUP]
     assert len(report.slices) == 2
 
     fake_propagate(gm, rewritten.example_inputs)

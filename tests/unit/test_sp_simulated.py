@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_autosp.compiler.ops import head_to_seq, seq_to_head, seq_to_head_packed, shift_from_next
+from lightning_autosp.compiler.ops import head_to_seq, seq_to_head, seq_to_head_packed, sequence_window
 from lightning_autosp.data import SequenceShard
 from tests.unit.sp_graphs import ALL_REDUCE_SUM, global_batch, module, rewritten_step, run_ranks
 
@@ -85,36 +85,32 @@ def test_q_k_and_v_in_one_all_to_all_are_what_three_would_be(global_len: int, wo
     assert [len(calls) for calls in comm_apart.calls] == [6] * world
 
 
-@pytest.mark.parametrize(("global_len", "world", "shift"), [(8, 3, 1), (8, 3, 2), (9, 2, 1), (5, 4, 1)])
-def test_shift_from_next_and_its_gradient(global_len: int, world: int, shift: int) -> None:
-    """``x[:, shift:]`` of the global sequence, cut at the shard boundaries (Note [Sequence sharding])."""
+@pytest.mark.parametrize(
+    ("global_len", "world", "shift"), [(8, 3, 1), (8, 3, 2), (9, 2, 1), (5, 4, 1), (9, 4, 3)]
+)
+def test_a_slice_reads_its_window_with_its_gradient(global_len: int, world: int, shift: int) -> None:
+    """``x[:, shift:]`` of the global sequence, cut at the shard boundaries (Note [Windows of the sequence]):
+    rank r's output positions [lo, hi) read rows [lo + shift, hi + shift), a few of them from the next
+    ranks (past a 2-token neighbour in (9, 4, 3)), and their gradients return to their owners."""
     full = torch.randn(2, global_len)
     parts = shards(global_len, world)
     out_len = global_len - shift
-
-    def plan(shard: SequenceShard) -> tuple[int, int, int]:
-        lo, hi = shard.owned_range(out_len)
-        hi_in = shard.offset + shard.local_len
-        local = max(0, min(hi + shift, hi_in) - (lo + shift))
-        halo = max(0, hi + shift - max(hi_in, lo + shift))
-        return (lo + shift - shard.offset if local else 0), local, halo
-
-    plans = [plan(shard) for shard in parts]
-    halo_count = max(p[2] for p in plans)
-    weights = [torch.randn(2, p[1] + p[2]) for p in plans]
+    owned = parts[0].owned_ranges(out_len)
+    starts, stops = [lo + shift for lo, _ in owned], [hi + shift for _, hi in owned]
+    weights = [torch.randn(2, hi - lo) for lo, hi in owned]
 
     def rank_fn(rank: int):
         shard = parts[rank]
         x = full.narrow(1, shard.offset, shard.local_len).clone().requires_grad_()
-        out = shift_from_next(x, 1, *plans[rank], halo_count, rank, world, "sim")
+        out = sequence_window(x, 1, starts, stops, list(shard.seq_lens), rank, "sim")
         (out * weights[rank]).sum().backward()
         return x, out.detach()
 
     results, comm = run_ranks(world, rank_fn)
-    assert comm.calls[0] == ["all_gather", "all_gather"]  # forward and backward, on every rank
+    assert all(calls == comm.calls[0] for calls in comm.calls)  # forward and backward, alike on every rank
     expected_grad = torch.zeros_like(full)
     for rank, (_, out) in enumerate(results):
-        lo, hi = parts[rank].owned_range(out_len)
+        lo, hi = owned[rank]
         torch.testing.assert_close(out, full[:, shift:][:, lo:hi], rtol=0, atol=0)
         expected_grad[:, shift:][:, lo:hi] += weights[rank]
     for rank, (x, _) in enumerate(results):
