@@ -301,8 +301,26 @@ def sequence_window(
     return torch.cat(pieces).movedim(0, dim)
 
 
+def fetch_rows(
+    x: Tensor, dim: int, sends: list[list[int]], receives: list[int], take: list[int], group_name: str
+) -> Tensor:
+    """``cat([x, rows received from rank 0, ..., from rank P-1], dim).index_select(dim, take)``: this rank's
+    part of a slice of the sequence whose rows may sit on any rank (a zigzag layout's label shift, where
+    a range's next position is on another rank). ``sends[j]``: this rank's rows (local indices) that rank
+    j takes, in the order it wants them; ``receives[j]``: how many rank j sends here. One all-to-all of
+    only those rows; the gradient of a fetched row returns to its owner with the all-to-all back."""
+    rows = x.movedim(dim, 0)
+
+    def indices(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=x.device)
+
+    sent = rows.index_select(0, indices([i for part in sends for i in part]))
+    received = _all_to_all(sent, receives, [len(part) for part in sends], group_name)
+    return torch.cat([rows, received]).index_select(0, indices(take)).movedim(0, dim)
+
+
 COLLECTIVE_FUNCTIONS = frozenset(
-    {seq_to_head, seq_to_head_packed, head_to_seq, all_reduce_sum, sequence_window}
+    {seq_to_head, seq_to_head_packed, head_to_seq, all_reduce_sum, sequence_window, fetch_rows}
 )
 
 

@@ -17,12 +17,13 @@ rank's shard is a narrow, with no collective on any rank. Likewise ``logits[:, :
 position on the last rank only, and a right pad (HF's ``pad(labels, (0, 1), value=-100)``) pads the last
 rank only. Bounds may be sequence lengths (``x[:, : T - 1]``): they are read at the global length.
 Under a zigzag layout an element comes from this rank or, at a range's end, from the rank holding the
-next range (``fetch_positions``).
+next range (``ops.fetch_rows``).
 """
 
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,6 @@ from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, op_name
-from lightning_autosp.compiler.ring import fetch_plan
 from lightning_autosp.data import SequenceShard
 
 
@@ -144,17 +144,50 @@ def _slice(
     return call(graph, operator.getitem, (seq_fixed, rest))
 
 
+class PositionFetch(NamedTuple):
+    """How one rank builds its part of a slice of the sequence under any layout (``ops.fetch_rows``)."""
+
+    sends: list[list[int]]  # this rank's rows (local indices) each rank takes from it
+    receives: list[int]  # how many rows each rank sends to this one
+    take: list[int]  # per output position, its index in cat([own rows, received from rank 0, 1, ...])
+    # every rank's part is one run of its own rows: a narrow, with no collective on any rank (decided from
+    # every rank's part, so that no rank meets the collective alone)
+    narrow: bool
+
+
+def fetch_plan(shard: SequenceShard, in_len: int, start: int, out_len: int) -> PositionFetch:
+    """This rank's ``PositionFetch`` for ``x[start : start + out_len]`` of a sequence-derived ``x`` of
+    ``in_len`` positions: rank r owns the output positions ``shard.positions(out_len, r)``."""
+    world, me = shard.world, shard.rank
+    owner = {p: (r, i) for r in range(world) for i, p in enumerate(shard.positions(in_len, r))}
+    needs = [[owner[p + start] for p in shard.positions(out_len, r)] for r in range(world)]
+    # rows[q][r]: rank q's rows that rank r takes, in the order they travel
+    rows = [[sorted({i for o, i in needs[r] if o == q}) for r in range(world)] for q in range(world)]
+    for q in range(world):
+        rows[q][q] = []
+    receives = [len(rows[q][me]) for q in range(world)]
+    first = [len(shard.positions(in_len)) + sum(receives[:q]) for q in range(world)]
+    take = [i if q == me else first[q] + rows[q][me].index(i) for q, i in needs[me]]
+
+    def one_run(r: int) -> bool:
+        indices = [i for _, i in needs[r]]
+        own = all(o == r for o, _ in needs[r])
+        return own and (not indices or indices == list(range(indices[0], indices[0] + len(indices))))
+
+    return PositionFetch(rows[me], receives, take, all(one_run(r) for r in range(world)))
+
+
 def _slice_by_positions(
     graph: fx.Graph, source: fx.Node, dim: int, in_len: int, start: int, out_len: int, ctx: SPContext
 ) -> fx.Node:
     """Under a layout of several ranges per rank (zigzag): each element from this rank's shard or, at a
     range's end, from the rank holding the next range."""
-    export_index, export_count, take = fetch_plan(ctx.shard, in_len, start, out_len)
-    first = take[0] if take else 0
-    if not export_count and take == list(range(first, first + len(take))):
-        return call(graph, torch.narrow, (source, dim, first, len(take)))
-    args = (source, dim, export_index, export_count, take, ctx.shard.world, ctx.group_name)
-    return call(graph, torch.ops.autosp.fetch_positions.default, args)
+    fetch = fetch_plan(ctx.shard, in_len, start, out_len)
+    if fetch.narrow:
+        first = fetch.take[0] if fetch.take else 0
+        return call(graph, torch.narrow, (source, dim, first, len(fetch.take)))
+    args = (source, dim, fetch.sends, fetch.receives, fetch.take, ctx.group_name)
+    return call(graph, ops.fetch_rows, args)
 
 
 def _replace_item(index: object, rank: int, dim: int) -> tuple:

@@ -10,8 +10,10 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 import lightning_autosp.strategy as strategy_module
+from lightning_autosp.compiler import ops as collectives
 from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.compiler.ring import fetch_plan, find_blocks, ring_args
+from lightning_autosp.compiler.ring import find_blocks, ring_args
+from lightning_autosp.compiler.slices import fetch_plan
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard, in_sequence_order, shard_batch
 from lightning_autosp.mesh import (
@@ -209,20 +211,20 @@ def test_ring_attention_across_ranks_matches_sdpa(
 # slices of a zigzag-sharded sequence (the label shift)
 
 
-def test_opcheck_fetch_positions(gloo_group: str) -> None:
-    x = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+def test_fetching_rows_on_the_only_rank(gloo_group: str) -> None:
     shard = SequenceShard.balanced(6, 1, 0)
-    export_index, count, take = fetch_plan(shard, 6, 1, 5)  # x[:, 1:] on one rank: nothing to fetch
-    assert (export_index, count, take) == ([], 0, [1, 2, 3, 4, 5])
-    args = (1, [0, 2], 2, [1, 2, 3, 4, 5, 7, 6], 1, gloo_group)  # exports 0 and 2, then takes them back
-    torch.library.opcheck(ops.fetch_positions, (x, *args))
-    grad = torch.randn(2, 7, 3, dtype=torch.float64)
-    torch.library.opcheck(ops.fetch_positions_backward, (grad, 1, 6, *args[1:]))
+    fetch = fetch_plan(shard, 6, 1, 5)  # x[:, 1:] on one rank: a narrow, nothing to fetch
+    assert (fetch.sends, fetch.receives, fetch.take, fetch.narrow) == ([[]], [0], [1, 2, 3, 4, 5], True)
+    x = torch.arange(6.0).view(1, 6).requires_grad_()
+    rows = collectives.fetch_rows(x, 1, [[]], [0], [5, 0, 2, 2], gloo_group)  # any order, repeats
+    assert rows.flatten().tolist() == [5.0, 0.0, 2.0, 2.0]
+    rows.sum().backward()
+    assert x.grad.flatten().tolist() == [1.0, 0.0, 2.0, 0.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize(("global_len", "world", "ring_degree"), [(16, 4, 2), (30, 4, 4), (13, 3, 3)])
 @pytest.mark.parametrize(("start", "shrink"), [(1, 1), (0, 1), (2, 2), (1, 0)])
-def test_fetch_positions_slices_the_global_sequence(global_len, world, ring_degree, start, shrink) -> None:
+def test_fetched_rows_slice_the_global_sequence(global_len, world, ring_degree, start, shrink) -> None:
     """``x[:, start : S - shrink + start]`` of the global sequence (``shrink=0``: after a right pad)."""
     in_len = global_len + (1 if shrink == 0 else 0)  # (1, 0): HF's pad(labels, (0, 1)) then [..., 1:]
     out_len = in_len - start - (shrink if shrink else 0)
@@ -233,7 +235,8 @@ def test_fetch_positions_slices_the_global_sequence(global_len, world, ring_degr
     def rank_fn(rank: int):
         shard = shards[rank]
         x = full[:, shard.positions(in_len)].clone().requires_grad_()
-        out = ops.fetch_positions(x, 1, *fetch_plan(shard, in_len, start, out_len), world, "sim")
+        fetch = fetch_plan(shard, in_len, start, out_len)
+        out = collectives.fetch_rows(x, 1, fetch.sends, fetch.receives, fetch.take, "sim")
         (out * weights[rank]).sum().backward()
         return x, out.detach()
 
@@ -276,7 +279,7 @@ def test_attention_is_lowered_to_all_to_all_then_ring() -> None:
     assert (bounds, counts, ring_rank, group) == ([0, 9, 27, 36, 9, 27], [2, 1], 0, "ring_group")
     seq_lens, ulysses_rank, group = nodes_with_target(gm, SEQ_TO_HEAD_PACKED)[0].args[-3:]
     assert (seq_lens, ulysses_rank, group) == ([5, 5, 4, 4], 1, "ulysses_group")
-    assert nodes_with_target(gm, ops.fetch_positions.default)  # the label shift crosses ranges
+    assert nodes_with_target(gm, collectives.fetch_rows)  # the label shift crosses ranges
     assert any("positions [(5, 9), (27, 28)]" in line for line in report.positions)
     fake_propagate(gm, example_inputs)
     assert fake_shape(next(iter(rings[0].users))) == (
