@@ -161,13 +161,16 @@ def fetch_plan(shard: SequenceShard, in_len: int, start: int, out_len: int) -> P
     world, me = shard.world, shard.rank
     owner = {p: (r, i) for r in range(world) for i, p in enumerate(shard.positions(in_len, r))}
     needs = [[owner[p + start] for p in shard.positions(out_len, r)] for r in range(world)]
-    # rows[q][r]: rank q's rows that rank r takes, in the order they travel
-    rows = [[sorted({i for o, i in needs[r] if o == q}) for r in range(world)] for q in range(world)]
-    for q in range(world):
-        rows[q][q] = []
+    taken: list[list[set[int]]] = [[set() for _ in range(world)] for _ in range(world)]
+    for r, need in enumerate(needs):
+        for o, i in need:
+            if o != r:
+                taken[o][r].add(i)
+    rows = [[sorted(part) for part in parts] for parts in taken]  # rank q's rows rank r takes, as they travel
     receives = [len(rows[q][me]) for q in range(world)]
     first = [len(shard.positions(in_len)) + sum(receives[:q]) for q in range(world)]
-    take = [i if q == me else first[q] + rows[q][me].index(i) for q, i in needs[me]]
+    arrived = {(q, i): first[q] + k for q in range(world) for k, i in enumerate(rows[q][me])}
+    take = [i if q == me else arrived[q, i] for q, i in needs[me]]
 
     def one_run(r: int) -> bool:
         indices = [i for _, i in needs[r]]
