@@ -97,10 +97,16 @@ def test_all_to_all_bytes_follow_the_ulysses_formula(smoke) -> None:
     # GPT (one KV head per query head): attention's all-to-alls move exactly the formula's bytes in forward,
     # which also carries the label shift's window (each rank but the last takes the next rank's first
     # label, one int64 per sample: Note [Windows of the sequence]).
+    # Backward also carries attention's row sums, one float32 per head and token, in place of attention's
+    # output in the head layout (Note [Attention output by its row sums]; SAC only).
     gpt = summary(report, "gpt-smoke", "sac")
-    ranks, layers = len(report["per_rank"]), report["models"]["gpt-smoke"]["layers"]
-    label_window = report["settings"]["batch_size"] * 8 * (ranks - 1) / ranks / layers
+    settings, spec = report["settings"], report["models"]["gpt-smoke"]
+    ranks, batch = len(report["per_rank"]), settings["batch_size"]
+    sent = (ranks - 1) / ranks
+    label_window = batch * 8 * sent / spec["layers"]
+    row_sums = batch * settings["headline_len"] / ranks * sent * spec["heads"] * 4
     assert gpt["a2a_forward_bytes_per_layer"] == gpt["a2a_formula_bytes_per_layer"] + label_window
+    assert gpt["a2a_backward_bytes_per_layer"] == gpt["a2a_formula_bytes_per_layer"] + row_sums
 
 
 @pytest.mark.distributed
