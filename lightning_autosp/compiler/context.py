@@ -27,6 +27,14 @@ class SPContext:
             return self.comm_args
         return list(self.shard.ulysses_seq_lens), self.shard.ulysses_rank, self.ulysses_group_name
 
+    def window_args(
+        self, windows: list[tuple[int, int]], length: int
+    ) -> tuple[list[int], list[int], list[int], int, str]:
+        """``ops.sequence_window``'s arguments after the dim: every rank's window ``(start, stop)`` of a
+        sequence-derived tensor of ``length`` positions, in rank order, and how many of them each holds."""
+        starts, stops = [start for start, _ in windows], [stop for _, stop in windows]
+        return starts, stops, self.shard.counts(length), self.shard.rank, self.group_name
+
     @property
     def group_roles(self) -> dict[str, str]:
         """Each process group's name -> its role; ranks of one sp group share the roles, not the names."""

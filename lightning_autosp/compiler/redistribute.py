@@ -80,10 +80,10 @@ def _insert_tokens(
     source, prefix, suffix = tensors[inserted.index], tensors[: inserted.index], tensors[inserted.index + 1 :]
     length = analysis.global_value(analysis.shape(source)[inserted.dim])
     owned = ctx.shard.owned_ranges(length + inserted.before + inserted.after)
-    starts, stops = ([end - inserted.before for end in ends] for ends in zip(*owned))
+    windows = [(first - inserted.before, stop - inserted.before) for first, stop in owned]
     with graph.inserting_before(node):
         fills = [call(graph, torch.cat, (t, inserted.dim)) if t else None for t in (prefix, suffix)]
-    comm = (starts, stops, ctx.shard.counts(length), ctx.shard.rank, ctx.group_name, *fills)
+    comm = (*ctx.window_args(windows, length), *fills)
     window = _insert(graph, ops.sequence_window, (source, inserted.dim, *comm), before=node)
     window.meta["example_value"] = meta_value(node)  # the joined sequence, as traced
     node.replace_all_uses_with(window)
@@ -111,8 +111,7 @@ def _window_convolution(
                 f"{node.name}: the convolution's {out_length} output positions leave rank {rank} none; use "
                 "longer sequences or a smaller sp_size."
             )
-    starts, stops = zip(*(window.window(first, stop) for first, stop in owned))
-    comm = (list(starts), list(stops), ctx.shard.counts(length), ctx.shard.rank, ctx.group_name)
+    comm = ctx.window_args([window.window(first, stop) for first, stop in owned], length)
     args["input"] = _insert(graph, ops.sequence_window, (source, window.dim, *comm), before=node)
     padding = args["padding"]
     spatial_dims = meta_value(args["weight"]).dim() - 2

@@ -133,9 +133,7 @@ def _slice(
             local_start = lo - inputs[shard.rank][0] if lo < hi else 0
             seq_fixed = call(graph, torch.narrow, (source, dim, local_start, hi - lo))
         else:  # a window reaches into the next ranks' shards: Note [Windows of the sequence]
-            starts, stops = (list(bounds) for bounds in zip(*windows))
-            comm = (starts, stops, shard.counts(in_len), shard.rank, ctx.group_name)
-            seq_fixed = call(graph, ops.sequence_window, (source, dim, *comm))
+            seq_fixed = call(graph, ops.sequence_window, (source, dim, *ctx.window_args(windows, in_len)))
     if op_name(node) != "getitem":
         return seq_fixed
     rest = _replace_item(node.args[1], rank, dim)
