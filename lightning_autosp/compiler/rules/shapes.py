@@ -66,7 +66,11 @@ def view(a, node: fx.Node) -> Layout:
             continue
         carriers = [d for d in group_out if a.has_sequence_symbol(out_shape[d])]
         merged = len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in seq_in)
-        if len(seq_in) > 1 or len(carriers) != 1 or (len(group_in) > 1 and len(group_out) > 1):
+        # Size-1 dims join the run before them (``_view_groups``) but hold no elements: a run
+        # (s, 1) -> (s, 1) keeps the sequence whole (multi-head attention at batch size 1).
+        sized_in = [d for d in group_in if hints_in[d] != 1 or d in seq_in]
+        sized_out = [d for d in group_out if hints_out[d] != 1 or d in carriers]
+        if len(seq_in) > 1 or len(carriers) != 1 or (len(sized_in) > 1 and len(sized_out) > 1):
             if _whole_sequence_for_a_block(a, node, source, layout, groups):
                 return view(a, node)
             return a.refuse(
