@@ -241,8 +241,28 @@ def setitem(a, node: fx.Node) -> Layout:
     inverse = dispatch.inverse(a, node)
     if inverse is not None:
         return inverse
+    if _masked_fill(a, node):
+        return REPLICATE  # the assignment returns None; ``target`` keeps its layout
     return a.refuse(
         node,
         "assigns into a tensor by index (x[i] = y) where sequence data is involved",
         "Build the tensor with torch.where or scatter instead of an indexed assignment",
     )
+
+
+def _masked_fill(a, node: fx.Node) -> bool:
+    """``x[mask] = value`` with a boolean ``mask`` of ``x``'s own shape and layout and one value for every
+    picked element (a number or a replicated one-element tensor): ``masked_fill`` in place, which acts on
+    each element alone (TRL's ``labels[labels == -100] = 0``), so every rank fills its own shard."""
+    target, index, value = node.args
+    mask = meta_value(index) if isinstance(index, fx.Node) else None
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+        return False
+    if [str(d) for d in mask.shape] != [str(d) for d in meta_value(target).shape]:
+        return False
+    if a.layout(index) != a.layout(target):
+        return False
+    if isinstance(value, fx.Node):
+        filled = meta_value(value)
+        return isinstance(filled, torch.Tensor) and filled.numel() == 1 and a.layout(value) == REPLICATE
+    return isinstance(value, (int, float, bool))
