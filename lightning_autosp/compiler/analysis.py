@@ -57,10 +57,10 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import find_flash_attention
-from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name
+from lightning_autosp.compiler.fx_utils import flatten, meta_value
 from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag, shard
 from lightning_autosp.compiler.plan import Plan, Redistribution, Refusal
-from lightning_autosp.compiler.rules import RULES, dispatch
+from lightning_autosp.compiler.rules import dispatch, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Analysis:
         *,
         windows_first: bool = False,
     ) -> None:
-        self.gm, self.context, self.tags, self.rules = gm, context, tags, RULES
+        self.gm, self.context, self.tags = gm, context, tags
         # Convolutions along the sequence: a window before a block of groups (Note [Windows or blocks])
         self.windows_first = windows_first
         self.example_inputs = list(example_inputs)
@@ -385,6 +385,10 @@ class Analysis:
             exprs = tuple(symbols.raw_expr(v) for v in value) if _is_shape(value) else symbols.raw_expr(value)
             if self.has_sequence_symbol(exprs):
                 self.sizes[node] = exprs
+            elif exprs is None:  # a length made a float (``0.0 + x.shape[0]``): the lengths are values
+                for arg in args:
+                    if isinstance(arg, fx.Node) and arg in self.sizes:
+                        self.plan.value_sizes[(node, arg)] = None
             self.layouts[node] = REPLICATE
             return
         if not any(self.is_sequence_value(a) for a in args):
@@ -395,7 +399,7 @@ class Analysis:
             return
         self._shape_uses = set()
         self._visiting, self._needed = node, {}
-        rule = self.rules.get(op_name(node))
+        rule = rule_for(node)
         if rule is None:
             self.layouts[node] = self.refuse(
                 node,

@@ -281,9 +281,27 @@ def histogram(a, node: fx.Node) -> Layout:
     if local is not None:
         return local
     layout = a.layout(node.args[0])
-    if layout.kind == "shard" and node in a.token_data:
+    if layout.kind == "shard" and (node in a.token_data or _fixed_bins(node)):
         return PARTIAL
-    return a.refuse(node, "counts values over the sequence of activations", "Count token data")
+    return a.refuse(
+        node,
+        "counts values over the sequence of activations into bins that depend on the values",
+        "Count into fixed bins: torch.histc(x, bins, min=lo, max=hi) with lo < hi",
+    )
+
+
+def _fixed_bins(node: fx.Node) -> bool:
+    """histc with explicit bounds (a router's tokens per expert): every rank counts its own tokens into the
+    same bins, so the counts add up over ranks. With ``min == max`` histc takes the bounds from the data
+    (each rank's own), and bincount's length is the largest value plus one: neither adds up."""
+    if op_name(node) != "histc":
+        return False
+    args = bind(node, _HISTC)
+    low, high = args.get("min", 0), args.get("max", 0)
+    return isinstance(low, (int, float)) and isinstance(high, (int, float)) and low < high
+
+
+_HISTC = inspect.signature(lambda input, bins=100, min=0, max=0: None)
 
 
 # --------------------------------------------------------------------------------------------------
