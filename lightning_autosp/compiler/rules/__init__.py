@@ -1,15 +1,33 @@
-"""The rule table: op name -> how the op treats the sequence (Note [Proving a graph exact]).
+"""The rule table: op -> how the op treats the sequence (Note [Proving a graph exact]).
 
-Keys are the names Dynamo's graph calls ops by: a Tensor method (``"view"``), a torch or functional
-function (``"scaled_dot_product_attention"``), an ``operator`` function (``"getitem"``). An op that reads
-a sequence value and has no entry here is refused, so this table is exactly what the pass can prove.
+Entries are written as the names users spell ops by: a Tensor method (``"view"``), a torch or functional
+function (``"scaled_dot_product_attention"``), an ``operator`` function (``"getitem"``). The table the
+analysis reads is keyed by the op itself: each name is resolved to the callables it stands for in the
+namespaces Dynamo records calls from, so another spelling of the same function (``F.logsigmoid`` is
+``torch._C._nn.log_sigmoid``) finds its rule. Methods are keyed by name (a method is its name), and so are
+ops recorded as ``torch.ops`` packets or higher-order ops. An op no entry covers is pointwise if torch
+decomposes it into pointwise ops (Note [Rules derived from torch] in ``rules/derived.py``) and refused
+otherwise, so the table and that derivation are exactly what the pass can prove.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
-from lightning_autosp.compiler.rules import dispatch, elementwise, indexing, products, reductions, shapes
+import torch
+from torch import fx
+
+from lightning_autosp.compiler.fx_utils import op_name
+from lightning_autosp.compiler.rules import (
+    derived,
+    dispatch,
+    elementwise,
+    indexing,
+    products,
+    reductions,
+    shapes,
+)
 
 Rule = Callable[..., object]
 
@@ -86,3 +104,53 @@ def _table() -> dict[str, Rule]:
 
 
 RULES = _table()
+
+# Where the functions Dynamo records live; ``operator`` only for the arithmetic and item access it spells.
+_NAMESPACES = (
+    torch,
+    torch.nn.functional,
+    torch._C._nn,
+    torch._C._VariableFunctions,
+    torch.special,
+    torch._C._special,
+    torch.linalg,
+    torch._C._linalg,
+    torch.fft,
+    torch._C._fft,
+)
+_OPERATOR_RULES = (elementwise.pointwise, elementwise.in_place, indexing.getitem, indexing.setitem)
+
+
+def _by_callable(named: dict[str, Rule]) -> dict[Callable, Rule]:
+    """Each entry's name resolved to the functions it names. A function whose own name has an entry keeps
+    that entry's rule (``torch.nn.functional.pad`` and ``torch._C._nn.pad`` alike)."""
+    table: dict[Callable, Rule] = {}
+    for name, rule in named.items():
+        namespaces = (*_NAMESPACES, operator) if rule in _OPERATOR_RULES else _NAMESPACES
+        for namespace in namespaces:
+            function = getattr(namespace, name, None)
+            if callable(function) and not isinstance(function, type) and _hashable(function):
+                table.setdefault(function, named.get(getattr(function, "__name__", ""), rule))
+    return table
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+RULES_BY_OP = _by_callable(RULES)
+
+
+def rule_for(node: fx.Node) -> Rule | None:
+    """The rule of what ``node`` calls: by the function itself, by name for methods, ``torch.ops`` packets
+    and higher-order ops, else the pointwise rule where torch decomposes the call into pointwise ops."""
+    if node.op == "call_function" and _hashable(node.target) and node.target in RULES_BY_OP:
+        return RULES_BY_OP[node.target]
+    rule = RULES.get(op_name(node))
+    if rule is not None:
+        return rule
+    return elementwise.pointwise if derived.acts_on_each_element(node) else None
