@@ -11,7 +11,7 @@ world) as ``DTensor``s on dim 0, FSDP2's layout. Two ways to gather them for the
 
 The SP and SAC passes are the same in both. Gradients come out exactly as with ``data_parallel="ddp"``:
 the reduce-scatter averages over the world, as DDP's all-reduce does, and the loss all-reduce's backward
-supplies the sp factor (Note [Loss over sequence shards] in ``compiler/sp_pass.py``).
+supplies the sp factor (Note [Loss over sequence shards] in ``compiler/losses.py``).
 
 Note [FSDP units under a compiled step]
     FSDP2 (torch 2.13) wraps its hooks in ``torch._dynamo.disable`` (tracing them was dropped

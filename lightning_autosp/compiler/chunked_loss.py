@@ -11,7 +11,7 @@ keeps is the op's inputs.
 
 Shape letters: N tokens (rows of the flattened hidden states), C hidden size, V vocabulary.
 
-The pass runs after the SP pass (Note [Loss over sequence shards] in ``sp_pass.py``): there the loss
+The pass runs after the SP pass (Note [Loss over sequence shards] in ``losses.py``): there the loss
 is ``cross_entropy(..., reduction="sum")`` of this rank's tokens followed by an all-reduce, and the
 op replaces the local cross-entropy only, so it composes with SP as it stands.
 """

@@ -239,7 +239,7 @@ def all_reduce_sum(x: Tensor, group_name: str) -> Tensor:
     """Sum over the sp group; every rank gets the total (out of place).
 
     Its gradient is the sum of the ranks' gradients: each rank uses the total as its loss, so each
-    rank's partial sum feeds every rank's objective (Note [Loss over sequence shards] in sp_pass.py).
+    rank's partial sum feeds every rank's objective (Note [Loss over sequence shards] in losses.py).
     """
     return _functional.wait_tensor(_functional.all_reduce(x, "sum", group_name))
 
@@ -357,7 +357,10 @@ def all_reduce_extremum(x: Tensor, op: str, group_name: str) -> Tensor:
     """Elementwise max (``op="max"``) or min over the sp group; every rank gets the result.
 
     Its gradient goes to the elements equal to the result, split evenly among the ranks that hold one
-    (as ``amax`` splits it among ties).
+    (as ``amax`` splits it among ties). What reaches them is the sum of the ranks' gradients of the
+    result, as for ``all_reduce_sum``: every rank uses the result in its own copy of the loss, and DDP
+    averages the ranks' parameter gradients (Note [Loss over sequence shards] in losses.py). Passing on
+    this rank's gradient alone left a max-pooled head's gradients 1/P of one device's.
     """
     reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     result = x.to(torch.int32) if x.dtype == torch.bool else x.clone()
@@ -378,7 +381,8 @@ def _extremum_setup_context(ctx, inputs, output) -> None:
 def _extremum_backward(ctx, grad: Tensor):
     x, output = ctx.saved_tensors
     holds = (x == output).to(grad.dtype)
-    return grad * holds / all_reduce_sum(holds, ctx.group_name).clamp(min=1), None, None
+    total = all_reduce_sum(grad, ctx.group_name)
+    return total * holds / all_reduce_sum(holds, ctx.group_name).clamp(min=1), None, None
 
 
 all_reduce_extremum.register_autograd(_extremum_backward, setup_context=_extremum_setup_context)
