@@ -1,0 +1,101 @@
+"""Minimal modules of defects and needless refusals found outside the suite (issue 48), each shrunk to the
+idiom that showed it. tests/unit/test_found.py checks each against one device."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.distributed.modules import VOCAB
+
+
+class LengthAsFloat(nn.Module):
+    """A pooled head that divides by the length as a float: ``1.0 / T``, ``float(T)``, ``math.sqrt(T)``
+    are SymFloats in Dynamo's graph, which the pass took for this rank's count (silently wrong before)."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.spelling = spelling
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x = torch.tanh(self.mix(self.embed(batch["input_ids"])))
+        length = x.size(1)
+        if self.spelling == "reciprocal":
+            pooled = x.sum(1) * (1.0 / length)
+        elif self.spelling == "float":
+            pooled = x.sum(1) / float(length)
+        else:  # scaled twice by 1/sqrt(T), as attention-style scaling does
+            pooled = (x / math.sqrt(length)).sum(1) / math.sqrt(length)
+        return F.cross_entropy(self.head(pooled), batch["cls"])
+
+
+class PairwiseReward(nn.Module):
+    """A reward model's pairwise loss (DPO and its kin): ``-logsigmoid(chosen - rejected)`` over
+    mean-pooled scores, and TRL's masked label write ``labels[labels == -100] = 0`` before a gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.mix = nn.Linear(16, 16)
+        # No bias: a pairwise loss cancels it, so its gradient is zero in exact arithmetic and only rounding
+        # is left to compare (against the floor of the suite's gradient error).
+        self.score = nn.Linear(16, 1, bias=False)
+        self.lm_head = nn.Linear(16, VOCAB)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        hidden = torch.tanh(self.mix(self.embed(batch["input_ids"])))
+        rewards = self.score(hidden).squeeze(-1).mean(dim=1)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        labels = batch["labels"].clone()
+        kept = labels != -100
+        labels[labels == -100] = 0
+        log_probs = torch.log_softmax(self.lm_head(hidden), dim=-1)
+        token_log_probs = torch.gather(log_probs, 2, labels.unsqueeze(-1)).squeeze(-1)
+        nll = -(token_log_probs * kept).sum() / kept.sum()
+        return -F.logsigmoid(chosen - rejected).mean() + nll
+
+
+class TorchEncoder(nn.Module):
+    """``nn.TransformerEncoder(batch_first=True)``: its multi-head attention views (S, 1, E) as
+    (S, 1, heads, E / heads) at batch size 1, which the pass refused as mixing the sequence dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(32, VOCAB)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        hidden = self.encoder(self.embed(batch["input_ids"]))
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), batch["input_ids"].flatten())
+
+
+class MixtralRouterLoss(nn.Module):
+    """Mixtral from its default config (sizes only) with ``output_router_logits=True``: the load-balancing
+    loss counts tokens per expert with ``histc`` and divides by ``0.0 + rows`` (a float length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            output_router_logits=True,
+        )
+        self.model = MixtralForCausalLM(config)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss

@@ -1,0 +1,67 @@
+"""Defects and needless refusals found outside the suite (issue 48), as regression tests: each module of
+tests/unit/found_modules.py equals one device (loss and every gradient), ranks simulated in one process.
+Before their fixes the float lengths trained silently wrong (gradient error 0.95) and the others were
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.common import grad_rel_err, rel_err
+from tests.distributed.modules import VOCAB
+from tests.unit.found_modules import LengthAsFloat, MixtralRouterLoss, PairwiseReward, TorchEncoder
+from tests.unit.sp_graphs import simulate_compiled_step, simulate_step, single_device
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+CASES = {
+    "length_as_reciprocal": (lambda: LengthAsFloat("reciprocal"), 1),
+    "length_as_float": (lambda: LengthAsFloat("float"), 1),
+    "length_as_sqrt": (lambda: LengthAsFloat("sqrt"), 2),
+    "pairwise_reward": (PairwiseReward, 2),
+    "encoder_batch_1": (TorchEncoder, 1),
+    "mixtral_router_loss": (MixtralRouterLoss, 1),
+}
+
+
+def batch_of(batch_size: int, length: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, VOCAB, (batch_size, length), generator=generator)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "cls": torch.randint(0, 3, (batch_size,), generator=generator),
+    }
+
+
+def assert_exact(module: torch.nn.Module, batch: dict, simulate) -> None:
+    # One device first: transformers sets its output capturing up on a first call, under a lock Dynamo
+    # cannot trace (a graph break on that call only).
+    loss, grads = single_device(module, batch)
+    simulated = simulate(module, batch)
+    assert max(rel_err(rank_loss, loss) for rank_loss in simulated.losses) <= 1e-5
+    assert grad_rel_err(simulated.grads, grads) <= 1e-4
+
+
+@pytest.mark.parametrize(("length", "world"), [(23, 2), (26, 4)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_found_module_is_exact(case: str, length: int, world: int) -> None:
+    factory, batch_size = CASES[case]
+    torch.manual_seed(0)
+    module = factory()
+    batch = batch_of(batch_size, length)
+    assert_exact(module, batch, lambda m, b: simulate_step(m, b, world))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["pairwise_reward", "encoder_batch_1"])
+def test_found_module_is_exact_under_inductor_and_sac(case: str) -> None:
+    """The defaults users get, at an odd length."""
+    factory, batch_size = CASES[case]
+    torch.manual_seed(0)
+    module = factory()
+    batch = batch_of(batch_size, 23)
+    assert_exact(module, batch, lambda m, b: simulate_compiled_step(m, b, 2, compiler="inductor", sac=True))
