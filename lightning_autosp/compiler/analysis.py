@@ -241,6 +241,8 @@ class Analysis:
         kinds = (source.kind, target.kind)
         if source == PARTIAL and target == REPLICATE:
             via = "all_reduce"
+        elif source.kind == "split" and not source.dims and target == REPLICATE:
+            via = "all_gather"
         elif kinds == ("split", "shard") or (kinds == ("shard", "split") and arg not in self.token_data):
             via = "all_to_all"
         elif source.kind == "shard" and target.kind in ("global", "split") and arg in self.token_data:
@@ -258,6 +260,8 @@ class Analysis:
         sequence dim cannot be cut at the shard boundaries."""
         layout = self.layout(arg)
         shape = self.shape(arg)
+        if layout.is_split and not layout.dims:  # no token left in it (a picked position): gather it whole
+            return self.need(arg, REPLICATE)
         if len(layout.dims) != 1 or layout.flat or shape is None:
             return self.refuse(
                 self._visiting,

@@ -84,6 +84,8 @@ Note [Windows of the sequence]
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401  (registers the autograd of _c10d_functional)
@@ -131,7 +133,8 @@ def _group(group_name: str) -> dist.ProcessGroup:
 def _seq_front(x: Tensor, head_dim: int, seq_dim: int) -> Tensor:
     """[..., H at head_dim, ..., S at seq_dim, ...] -> [S, H, R] (R: the other dims, flattened)."""
     moved = x.movedim((seq_dim, head_dim), (0, 1))
-    return moved.reshape(moved.shape[0], moved.shape[1], -1)
+    rest = math.prod(moved.shape[2:])  # a rank holding no token has no elements to infer a -1 from
+    return moved.reshape(moved.shape[0], moved.shape[1], rest)
 
 
 def _from_seq_front(x: Tensor, like_shape: list[int], head_dim: int, seq_dim: int) -> Tensor:
@@ -204,7 +207,7 @@ def seq_to_head_packed(
     fronts = [_seq_front(x, head_dim, seq_dim) for x in xs]  # [S_r, H_i, R] each
     local, rest = fronts[0].shape[0], fronts[0].shape[2]
     # [S_r, P, H_all/P, R]: for destination j, head group j of each tensor in turn
-    groups = [front.reshape(local, world, -1, rest) for front in fronts]
+    groups = [front.reshape(local, world, front.shape[1] // world, rest) for front in fronts]
     blocks = groups[0] if len(groups) == 1 else torch.cat(groups, dim=2)
     send = blocks.transpose(0, 1).reshape(world * local, blocks.shape[2], rest)  # [P * S_r, H_all/P, R]
     received = _all_to_all(send, list(seq_lens), [local] * world, group_name)  # [S, H_all/P, R], rank order
@@ -319,8 +322,18 @@ def fetch_rows(
     return torch.cat([rows, received]).index_select(0, indices(take)).movedim(0, dim)
 
 
+def gather_blocks(x: Tensor, dim: int, world: int, group_name: str) -> Tensor:
+    """Every rank's block of ``dim`` side by side, in rank order: a value split over the ranks along
+    ``dim`` (heads, channels) made whole on every rank. Its gradient is this rank's block of the sum of
+    the ranks' gradients (the functional collective's formula, a reduce-scatter), as for ``all_reduce_sum``:
+    every rank uses the whole value in its own copy of the loss."""
+    blocks = x.movedim(dim, 0).contiguous()
+    gathered = _functional.wait_tensor(_functional.all_gather_into_tensor(blocks, world, group_name))
+    return gathered.movedim(0, dim)
+
+
 COLLECTIVE_FUNCTIONS = frozenset(
-    {seq_to_head, seq_to_head_packed, head_to_seq, all_reduce_sum, sequence_window, fetch_rows}
+    {seq_to_head, seq_to_head_packed, head_to_seq, all_reduce_sum, sequence_window, fetch_rows, gather_blocks}
 )
 
 

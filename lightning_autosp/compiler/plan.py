@@ -32,7 +32,7 @@ class Refusal:
         return f"- {where}: {self.reason}. {self.fix}"
 
 
-Move = Literal["all_to_all", "all_reduce", "recompute", "narrow"]
+Move = Literal["all_to_all", "all_reduce", "all_gather", "recompute", "narrow"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class Redistribution:
         return {
             "all_to_all": "all-to-all",
             "all_reduce": "all-reduce",
+            "all_gather": "all-gather of its blocks",
             "recompute": "all-gather of its token inputs (recomputed whole)",
             "narrow": "none (this rank's block, cut locally)",
         }[self.via]

@@ -137,6 +137,10 @@ def _move(graph: fx.Graph, copier: GlobalCopier, ctx: SPContext, move: Redistrib
         return _block(graph, x, target, ctx, before=move.user)
     if move.via == "all_reduce":
         return _insert(graph, ops.all_reduce_sum, (x, ctx.group_name), before=move.user)
+    if move.via == "all_gather":
+        return _insert(
+            graph, ops.gather_blocks, (x, source.split, ctx.shard.world, ctx.group_name), before=move.user
+        )
     # A sequence-derived length (padded to a multiple of a chunk, shifted) splits as its positions do.
     sequence_dim = source.dims[0] if target.is_split else target.dims[0]
     length = copier.analysis.global_value(copier.analysis.shape(move.value)[sequence_dim])

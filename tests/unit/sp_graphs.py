@@ -277,9 +277,18 @@ class ThreadedComm:
             assert out.shape == value.shape, "all_gather shapes disagree across ranks"
             out.copy_(value)
 
-    def all_reduce(self, tensor, group=None) -> None:
-        everyone = self._exchange("all_reduce", tensor.clone())
-        tensor.copy_(torch.stack(everyone).sum(0))
+    # ``ops`` reads the reduce ops off the module it calls ``dist``, which is this object in a simulation.
+    ReduceOp = dist.ReduceOp
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+        everyone = torch.stack(self._exchange("all_reduce", tensor.clone()))
+        reductions = {
+            dist.ReduceOp.SUM: lambda: everyone.sum(0),
+            dist.ReduceOp.MAX: lambda: everyone.amax(0),
+            dist.ReduceOp.MIN: lambda: everyone.amin(0),
+        }
+        assert op in reductions, f"reduce op {op} is not simulated"
+        tensor.copy_(reductions[op]())
 
     def isend(self, tensor, group=None, tag=0, group_dst=None) -> _Done:
         self.calls[self.rank].append("isend")
@@ -316,6 +325,22 @@ class ThreadedGroup(dist.ProcessGroup):
         assert opts is None or opts.reduceOp == dist.ReduceOp.SUM, "only sums are simulated"
         self.comm.all_reduce(tensor)
         return completed_work(tensors)
+
+    def _allgather_base(self, output, input, opts=None):
+        self.comm.all_gather(list(output.chunk(self.comm.world)), input)
+        return completed_work(output)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        assert opts is None or opts.reduceOp == dist.ReduceOp.SUM, "only sums are simulated"
+        total = input.clone()
+        self.comm.all_reduce(total)
+        output.copy_(total.chunk(self.comm.world)[self.comm.rank])
+        return completed_work(output)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for output, tensor in zip(outputs, inputs):
+            self._reduce_scatter_base(output, tensor, opts)
+        return completed_work(outputs)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for output, tensor in zip(outputs, inputs):

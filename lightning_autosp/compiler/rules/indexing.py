@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler.fx_utils import index_items, meta_value
-from lightning_autosp.compiler.layout import PARTIAL, REPLICATE, Layout, shard
+from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, shard
 from lightning_autosp.compiler.rules import dispatch
 from lightning_autosp.compiler.rules.common import (
     INDEX_FIX,
@@ -103,7 +103,8 @@ def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Layo
             continue
         whole = isinstance(item, slice) and _is_full(a, item)
         if tensor_items or (in_dim == layout.split and not whole):
-            a.sequence_home(source)
+            if a.sequence_home(source) == REFUSED:  # no way back to shards: the refusal says why
+                return REFUSED
             return getitem(a, node)
         if isinstance(item, slice):
             where[in_dim] = out_dim
