@@ -99,3 +99,30 @@ class MixtralRouterLoss(nn.Module):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
+class PooledAttention(nn.Module):
+    """One causal attention block pooled over the sequence, found by the fuzzer (benchmarks/fuzz.py):
+    ``"max"`` (seed 100013) trained silently 1/P off (the maximum's gradient reached only its holder's
+    copy of the loss); ``"last"`` (seed 100004), the last position's logits in a pairwise loss at 3 ranks,
+    recursed forever in the analysis (the position is one rank's, then a block of channels with no token
+    left in it, which now goes whole by an all-gather)."""
+
+    def __init__(self, pooling: str, heads: int = 12, dim: int = 24) -> None:
+        super().__init__()
+        self.pooling, self.heads = pooling, heads
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 3 if pooling == "max" else 2)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = self.proj(y.transpose(1, 2).reshape(B, T, C))
+        if self.pooling == "max":
+            return F.cross_entropy(self.head(x.max(dim=1).values), batch["cls"])
+        logits = self.head(x[:, -1:].squeeze(1))
+        return -F.logsigmoid(logits[:, 0] - logits[:, 1]).mean()

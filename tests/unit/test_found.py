@@ -1,7 +1,7 @@
 """Defects and needless refusals found outside the suite (issue 48), as regression tests: each module of
 tests/unit/found_modules.py equals one device (loss and every gradient), ranks simulated in one process.
-Before their fixes the float lengths trained silently wrong (gradient error 0.95) and the others were
-refused."""
+Before their fixes the float lengths and the max-pooled head trained silently wrong (gradient errors 0.95
+and 1 - 1/P), the last-position pick recursed without end, and the others were refused."""
 
 from __future__ import annotations
 
@@ -10,11 +10,18 @@ import torch
 
 from benchmarks.common import grad_rel_err, rel_err
 from tests.distributed.modules import VOCAB
-from tests.unit.found_modules import LengthAsFloat, MixtralRouterLoss, PairwiseReward, TorchEncoder
+from tests.unit.found_modules import (
+    LengthAsFloat,
+    MixtralRouterLoss,
+    PairwiseReward,
+    PooledAttention,
+    TorchEncoder,
+)
 from tests.unit.sp_graphs import simulate_compiled_step, simulate_step, single_device
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
+# name -> (module, batch size); sp=3 for those whose attention heads (if any) divide by 3
 CASES = {
     "length_as_reciprocal": (lambda: LengthAsFloat("reciprocal"), 1),
     "length_as_float": (lambda: LengthAsFloat("float"), 1),
@@ -22,7 +29,10 @@ CASES = {
     "pairwise_reward": (PairwiseReward, 2),
     "encoder_batch_1": (TorchEncoder, 1),
     "mixtral_router_loss": (MixtralRouterLoss, 1),
+    "max_pooled_attention": (lambda: PooledAttention("max"), 1),
+    "last_position_pairwise": (lambda: PooledAttention("last"), 2),
 }
+THREE_RANKS = ["length_as_float", "pairwise_reward", "max_pooled_attention", "last_position_pairwise"]
 
 
 def batch_of(batch_size: int, length: int) -> dict[str, torch.Tensor]:
@@ -46,8 +56,10 @@ def assert_exact(module: torch.nn.Module, batch: dict, simulate) -> None:
     assert grad_rel_err(simulated.grads, grads) <= 1e-4
 
 
-@pytest.mark.parametrize(("length", "world"), [(23, 2), (26, 4)])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("case", "length", "world"),
+    [(case, 23, 2) for case in CASES] + [(case, 26, 4) for case in CASES] + [(c, 35, 3) for c in THREE_RANKS],
+)
 def test_found_module_is_exact(case: str, length: int, world: int) -> None:
     factory, batch_size = CASES[case]
     torch.manual_seed(0)
