@@ -59,6 +59,7 @@ def test_runnable_block_runs_as_written(name: str, code: str, tmp_path: Path) ->
     assert result.returncode == 0, f"{name} failed:\n{output[-6000:]}"
     if name == "README.md#1":  # the first run: its loss falls, and rank 0 prints the memory table
         losses = [(int(step), float(loss)) for step, loss in STEP_LOSS.findall(result.stdout)]
-        assert [step for step, _ in losses] == list(range(1, 17)), output[-3000:]
+        steps = [step for step, _ in losses]
+        assert len(steps) > 1 and steps == list(range(1, len(steps) + 1)), output[-3000:]
         assert losses[-1][1] < losses[0][1] / 2, losses
         assert "Memory per rank" in result.stdout and "Saved for backward" in result.stdout
