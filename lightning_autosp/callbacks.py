@@ -12,6 +12,7 @@
   training batch, excluding parameter storages (they are in ``params_mib``). Absent when it could not be
   measured (see ``MemoryMonitor``).
 - ``memory/max/<stat>`` and ``memory/min/<stat>``: the same stats reduced over ranks.
+- ``peak_MiB_r{i}``: rank ``i``'s peak (CUDA allocated, else process RSS), also shown in the progress bar.
 
 ``SequenceThroughputMonitor`` is Lightning's ``ThroughputMonitor`` with every sequence counted once however
 many sp ranks share it: ``train/device/items_per_sec`` is the tokens per second of one sp group, and with
@@ -304,14 +305,24 @@ class MemoryMonitor(Callback):
             for rank, row in enumerate(rows)
         }
         self.history.append((trainer.global_step, self.latest))
-        for rank, stats in self.latest.items():
-            peak = stats.get("peak_allocated_mib", stats.get("peak_rss_mib"))
-            if peak is not None:  # the progress bar only: the loggers get the full breakdown below
-                pl_module.log(f"peak_MiB_r{rank}", peak, prog_bar=True, logger=False, rank_zero_only=True)
+        for name, peak in self._peaks().items():
+            # The progress bar's copy; the loggers get the same value from log_metrics below, at every
+            # measurement rather than at Lightning's log_every_n_steps. The value is already the same on every
+            # rank (gathered above): sync_dist=True says so, and rank_zero_only=True makes Lightning skip the
+            # reduction it would otherwise run (and its "use sync_dist=True" warning at epoch ends).
+            pl_module.log(name, peak, prog_bar=True, logger=False, sync_dist=True, rank_zero_only=True)
         if trainer.is_global_zero:
             metrics = self._metrics()
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _peaks(self) -> dict[str, float]:
+        """``peak_MiB_r{rank}``: each rank's peak (CUDA allocated, else process RSS), the progress bar's."""
+        peaks = {
+            rank: stats.get("peak_allocated_mib", stats.get("peak_rss_mib"))
+            for rank, stats in self.latest.items()
+        }
+        return {f"peak_MiB_r{rank}": peak for rank, peak in peaks.items() if peak is not None}
 
     def _metrics(self) -> dict[str, float]:
         metrics = {
@@ -319,6 +330,7 @@ class MemoryMonitor(Callback):
             for rank, stats in self.latest.items()
             for name, value in stats.items()
         }
+        metrics.update(self._peaks())
         for name in STATS:
             values = [stats[name] for stats in self.latest.values() if name in stats]
             if values:

@@ -1,5 +1,6 @@
-"""Command line of the memory planner (``python -m lightning_autosp.planner_cli``): one plan, or README's
-table of the smallest sp that fits Llama 3.1 8B/70B per length, GPU count and GPU memory (``--table``).
+"""Command line of the memory planner (``python -m lightning_autosp.planner_cli``): one plan, or
+docs/scaling.md's table of the smallest sp that fits Llama 3.1 8B/70B per length, GPU count and GPU
+memory (``--table``).
 
 A module of its own because the package imports ``planner``: run as ``-m``, a module the package has already
 imported draws runpy's warning that it may behave unpredictably."""
@@ -95,22 +96,51 @@ def readme_table(
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Per-rank memory plan for AutoSPStrategy.")
-    parser.add_argument("--table", action="store_true", help="print the README table (Llama 3.1 8B/70B)")
-    parser.add_argument("--fsdp-gather", choices=("per_use", "per_step"), default="per_use")
-    parser.add_argument("--model", choices=("8b", "70b"), default="8b")
-    parser.add_argument("--seq-len", type=int, default=2**17)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--memory-gib", type=float, default=GPUS["H100 80GB"] / GiB)
-    parser.add_argument("--precision", default="bf16-mixed")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Per-rank memory plan for AutoSPStrategy: for every sp size, SAC on and off, and "
+        "data_parallel 'ddp' and 'fsdp', the peak by component and the longest sequence it trains (batch 1, "
+        "AdamW, chunked loss).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="print the table of docs/scaling.md instead (Llama 3.1 8B/70B; 128K-1M tokens; 8, 64 and 1024 "
+        "GPUs; H100 80GB and H200 141GB): the smallest sp that fits each; ignores --model to --precision",
+    )
+    parser.add_argument(
+        "--fsdp-gather",
+        choices=("per_use", "per_step"),
+        default="per_use",
+        help="AutoSPStrategy's fsdp_gather: gather each parameter where it is used, or all of it per step",
+    )
+    parser.add_argument("--model", choices=("8b", "70b"), default="8b", help="Llama 3.1 shape to plan")
+    parser.add_argument("--seq-len", type=int, default=2**17, help="tokens per sequence (the whole sequence)")
+    parser.add_argument("--devices", type=int, default=8, help="GPUs in the job (sp x dp); 8 per node")
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        default=GPUS["H100 80GB"] / GiB,
+        help="memory of one GPU in GiB (the default is an H100 80GB's, as CUDA reports it); 10%% is held "
+        "in reserve",
+    )
+    parser.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="Lightning precision of the step: 32-true, bf16-mixed or bf16-true",
+    )
     parser.add_argument(
         "--ulysses-degree",
         type=lambda value: value if value == "auto" else int(value),
         default=None,
-        help="'auto' or an int: plan sp beyond the heads with ring attention (default: all Ulysses)",
+        help="'auto' or an int: plan sp beyond the heads as Ulysses x ring attention (None: all Ulysses)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.table:
         print(readme_table(fsdp_gather=args.fsdp_gather, ulysses_degree=args.ulysses_degree))
         return

@@ -94,6 +94,8 @@ def test_memory_monitor_two_cpu_ranks(tmp_path: Path) -> None:
             assert float(row[f"memory/rank_{rank}/optimizer_mib"]) >= 2 * params_mib
             assert float(row[f"memory/rank_{rank}/saved_for_backward_mib"]) > 0
         assert "memory/rank_2/rss_mib" not in row
+        for rank in (0, 1):  # the progress bar's per-rank peaks reach the loggers too
+            assert float(row[f"peak_MiB_r{rank}"]) == float(row[f"memory/rank_{rank}/peak_rss_mib"])
         per_rank = [float(row[f"memory/rank_{rank}/rss_mib"]) for rank in (0, 1)]
         assert float(row["memory/max/rss_mib"]) == max(per_rank)
         assert float(row["memory/min/rss_mib"]) == min(per_rank)

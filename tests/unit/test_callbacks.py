@@ -251,3 +251,41 @@ def test_throughput_monitor_logs_lightnings_rates_with_flops_and_mfu(tmp_path: P
         assert flops_per_sec == pytest.approx(samples_per_sec / 4 * 4e6)  # batches of 4 samples
         assert float(row["train/device/mfu"]) == pytest.approx(flops_per_sec / 1e12)
     assert "train/items_per_sec" not in rows[0]  # one process: no whole-job figures beside the device's
+
+
+def test_memory_monitor_peaks_reach_every_logger_without_lightnings_sync_dist_warning(tmp_path: Path) -> None:
+    """The progress bar's ``peak_MiB_r0`` is in every logger's metrics at every measurement, and the
+    epoch-end measurement draws no "use sync_dist=True" warning under a distributed strategy (here DDP over
+    one gloo process, which warns as a multi-process run does)."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    result.warning_cache.clear()  # Lightning warns once per process; earlier tests may have warned
+    monitor = MemoryMonitor(every_n_steps=2, plot=False, print_table=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=3,
+        callbacks=[monitor],
+        logger=[CSVLogger(tmp_path / "first"), CSVLogger(tmp_path / "second")],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyRegressor())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert [str(w.message) for w in caught if "sync_dist" in str(w.message)] == []
+    # Step 2 and the epoch end at step 3, in both loggers, equal to the breakdown's peak.
+    for logger in trainer.loggers:
+        with (Path(logger.log_dir) / "metrics.csv").open(newline="") as f:
+            rows = [row for row in csv.DictReader(f) if row.get("peak_MiB_r0")]
+        assert [int(row["step"]) for row in rows] == [2, 3]
+        assert [float(row["peak_MiB_r0"]) for row in rows] == _column(rows, "memory/rank_0/peak_rss_mib")
+    assert trainer.progress_bar_metrics["peak_MiB_r0"] == pytest.approx(monitor.latest[0]["peak_rss_mib"])

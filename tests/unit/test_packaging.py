@@ -104,3 +104,11 @@ def test_examples_and_benchmarks_name_their_extras(monkeypatch: pytest.MonkeyPat
     assert "lightning_autosp[bench]" in sac.deepspeed_status()["reason"]
     with pytest.raises(ModuleNotFoundError, match=r"needs matplotlib.*lightning_autosp\[bench\]"):
         report.plot({}, ROOT / "unused.png")
+
+
+def test_the_license_is_declared_and_shipped() -> None:
+    assert PROJECT["license"] == "Apache-2.0"
+    assert PROJECT["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text

@@ -33,7 +33,7 @@ from lightning_autosp.planner import (
     saved_activations,
     step_memory,
 )
-from lightning_autosp.planner_cli import readme_table
+from lightning_autosp.planner_cli import build_parser, readme_table
 from lightning_autosp.sp_cost import SPLayout, a2a_bytes, ring_bytes
 from tests.unit.sp_graphs import ThreadedComm, run_ranks
 
@@ -216,6 +216,10 @@ def test_the_command_line_prints_a_plan_without_warnings() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("**Llama-3.1-8B**")
     assert "found in sys.modules" not in done.stderr, done.stderr  # runpy's warning for `-m planner`
+
+
+def test_every_command_line_option_has_help() -> None:
+    assert [action.dest for action in build_parser()._actions if not action.help] == []
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The README's zoo table is generated from the committed results, whose verdicts are the expected ones."""
+"""The zoo table of docs/models.md is the committed results, whose verdicts are the expected ones."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from benchmarks import zoo
 from tests.zoo.families import FAMILIES
 
 
-def test_readme_table_is_the_committed_results():
+def test_the_docs_table_is_the_committed_results():
     results = json.loads(zoo.RESULTS.read_text())
-    assert zoo.readme_block(results) in zoo.README.read_text(), "run: python -m benchmarks.zoo --readme"
+    assert zoo.page_block(results) in zoo.ZOO_PAGE.read_text(), "run: python -m benchmarks.zoo --docs"
 
 
 def test_committed_results_cover_every_family_with_its_expected_verdict():
