@@ -1,7 +1,8 @@
 """Where this rank's tokens are: positions, position tables and sequence lengths.
 
 - ``arange(T)`` over a sequence length gives this rank's global positions (``arange(o_r, o_r + S_r)``;
-  the concatenated ranges of a zigzag shard, Note [Ring layouts] in ``data.py``).
+  the concatenated ranges of a zigzag shard, Note [Ring layouts] in ``data.py``); ``arange(c, T + c)``
+  gives them shifted by the constant ``c``.
 - ``table[:T]`` of a replicated table (learned positions ``pos_emb[:, :t]``, a rope cache ``cos[:T]``,
   ``freqs_cis[:seqlen]``) gives the table's rows at those positions.
 - A sequence length used as a value (``loss / T``, ``torch.full(..., T)``) is the global length: the
@@ -30,9 +31,11 @@ def positions_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, repor
         if node not in graph.nodes or not node.users:
             continue
         end = node.args[1] if len(node.args) > 1 else node.args[0] if node.args else node.kwargs["end"]
-        length = analysis.global_value(analysis.size_expr(end))
+        first = int(analysis.size_expr(node.args[0] if len(node.args) > 1 else node.kwargs.get("start", 0)))
+        length = analysis.global_value(analysis.size_expr(end) - first)
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
         runs = [ctx.shard.owned_range(length)] if ctx.shard.is_contiguous else _runs(ctx.owned(length))
+        runs = [(first + start, first + stop) for start, stop in runs]  # arange(c, T + c): shifted by c
         if len(runs) == 1:
             start, stop = runs[0]
             node.args, node.kwargs = with_sizes(graph, (start, stop)), kwargs

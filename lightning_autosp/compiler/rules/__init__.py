@@ -75,6 +75,7 @@ def _table() -> dict[str, Rule]:
     add("repeat_interleave", reductions.repeat_interleave)
     add("layer_norm rms_norm", reductions.norm_over_last)
     add("batch_norm instance_norm group_norm", reductions.norm_over_channels)
+    add("outer ger", elementwise.outer)
     add("linear", products.linear)
     add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d", products.convolution)
     add("matmul mm bmm", products.matmul)

@@ -178,3 +178,21 @@ def complex_view(a, node: fx.Node) -> Layout:
     if ndim(node.args[0]) - 1 in (*layout.dims, layout.split):
         return a.refuse(node, "pairs values along the sequence as complex numbers", "Pair along the head dim")
     return layout
+
+
+def outer(a, node: fx.Node) -> Layout:
+    """``outer(u, v)`` is ``u[:, None] * v[None, :]``: a vector of positions (rotary angles computed in the
+    step, ``outer(arange(T), inv_freq)``) keeps its tokens along dim 0, or along dim 1 when second."""
+    first, second = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["vec2"]
+    for vector in (first, second):
+        a.materialize(vector)
+    layouts = [REPLICATE if a.layout(v) == PARTIAL else a.layout(v) for v in (first, second)]
+    if layouts[1] == REPLICATE and layouts[0].is_shard:
+        return layouts[0]
+    if layouts[0] == REPLICATE and layouts[1].is_shard:
+        return shard(1, flat=(1,) if layouts[1].flat else ())
+    return a.refuse(
+        node,
+        f"multiplies two vectors of layouts {layouts[0]} and {layouts[1]} into a matrix",
+        "Keep one of the two vectors replicated (positions times frequencies)",
+    )

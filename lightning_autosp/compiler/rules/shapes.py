@@ -429,11 +429,12 @@ def arange(a, node: fx.Node) -> Layout:
     start = a.size_expr(values[0] if values else node.kwargs.get("start", 0))
     end = a.size_expr(values[1] if len(values) > 1 else node.kwargs.get("end"))
     step = a.size_expr(values[2] if len(values) > 2 else node.kwargs.get("step", 1))
-    if start != 0 or step != 1 or len(symbols.symbols_of(end)) != 1 or a.has_sequence_symbol(start):
+    # arange(c, T + c) with a constant c: positions shifted by c (1-based positions, a running mean's counts)
+    if step != 1 or start is None or not start.is_Integer or end is None or len(symbols.symbols_of(end)) != 1:
         return a.refuse(
             node,
-            f"arange({values}) over the sequence length with a start or step",
-            "Use arange(T) for positions (the pass makes it this rank's positions)",
+            f"arange({values}) over the sequence length with a step, or a start that is not a constant",
+            "Use arange(T) or arange(c, T + c) for positions (the pass makes them this rank's positions)",
         )
     a.plan.positions.append(node)
     return shard(0)
