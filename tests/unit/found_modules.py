@@ -126,3 +126,37 @@ class PooledAttention(nn.Module):
             return F.cross_entropy(self.head(x.max(dim=1).values), batch["cls"])
         logits = self.head(x[:, -1:].squeeze(1))
         return -F.logsigmoid(logits[:, 0] - logits[:, 1]).mean()
+
+
+class StepIdioms(nn.Module):
+    """Idioms the fuzzer found refused although exact layouts exist: rotary angles computed in the step
+    (``torch.outer(arange(T), inv_freq)``), a running mean over ``arange(1, T + 1)``, a mean pooled with
+    ``keepdim`` and squeezed, the last position sliced ``x[:, -1:]`` into a classifier."""
+
+    def __init__(self, idiom: str, heads: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.idiom, self.heads = idiom, heads
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 3)
+        half = dim // heads // 2
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(half).float() / half), persistent=False)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        B, T, C = x.shape
+        if self.idiom == "rotary_in_step":
+            angles = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
+            x = x + torch.cat([angles.cos(), angles.sin()] * (C // (2 * angles.shape[1])), dim=-1)
+        elif self.idiom == "running_mean":
+            x = x.cumsum(1) / torch.arange(1, T + 1)[None, :, None]
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        x = self.proj(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        )
+        if self.idiom == "last_slice":
+            pooled = x[:, -1:].squeeze(1)
+        else:
+            pooled = x.mean(1, keepdim=True).squeeze(1)
+        return F.cross_entropy(self.head(pooled), batch["cls"])

@@ -15,6 +15,7 @@ from tests.unit.found_modules import (
     MixtralRouterLoss,
     PairwiseReward,
     PooledAttention,
+    StepIdioms,
     TorchEncoder,
 )
 from tests.unit.sp_graphs import simulate_compiled_step, simulate_step, single_device
@@ -31,6 +32,10 @@ CASES = {
     "mixtral_router_loss": (MixtralRouterLoss, 1),
     "max_pooled_attention": (lambda: PooledAttention("max"), 1),
     "last_position_pairwise": (lambda: PooledAttention("last"), 2),
+    "rotary_in_step": (lambda: StepIdioms("rotary_in_step"), 2),
+    "running_mean": (lambda: StepIdioms("running_mean"), 1),
+    "keepdim_mean": (lambda: StepIdioms("keepdim_mean"), 2),
+    "last_slice": (lambda: StepIdioms("last_slice"), 1),
 }
 THREE_RANKS = ["length_as_float", "pairwise_reward", "max_pooled_attention", "last_position_pairwise"]
 
