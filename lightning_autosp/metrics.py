@@ -61,7 +61,10 @@ class MetricsOverShards:
             sp_group,
             dp_group,
         )
-        self._installed: list[tuple[nn.Module, Any]] = []
+        # Per metric: its process group and the instance attributes the wrappers replace, as they were
+        # (torchmetrics sets ``update`` and ``compute`` on each instance, wrapped with its update count and
+        # cache reset; popping ours would leave the bare class method, and a stale cache).
+        self._installed: list[tuple[nn.Module, Any, dict[str, Any]]] = []
 
     def install(self, module: nn.Module) -> None:
         metric_types = _metric_types()
@@ -70,16 +73,23 @@ class MetricsOverShards:
         for metric in module.modules():
             if not isinstance(metric, metric_types) or metric is module:
                 continue
-            self._installed.append((metric, getattr(metric, "process_group", None)))
+            if any(metric is installed for installed, *_ in self._installed):
+                continue  # wrapped already: a second wrapper would gather the gathered values
+            own = {name: metric.__dict__[name] for name in _METHODS if name in metric.__dict__}
+            self._installed.append((metric, getattr(metric, "process_group", None), own))
             if hasattr(metric, "process_group"):
                 metric.process_group = self._dp_group()
             for name in _METHODS:
                 setattr(metric, name, torch._dynamo.disable(self._whole(getattr(metric, name))))
 
     def uninstall(self) -> None:
-        for metric, process_group in self._installed:
+        """Give every metric back its own ``forward``, ``update`` and process group, exactly as they were."""
+        for metric, process_group, own in self._installed:
             for name in _METHODS:
-                metric.__dict__.pop(name, None)
+                if name in own:
+                    metric.__dict__[name] = own[name]
+                else:
+                    metric.__dict__.pop(name, None)
             if hasattr(metric, "process_group"):
                 metric.process_group = process_group
         self._installed.clear()
