@@ -51,6 +51,7 @@ from tests.distributed.user_modules import (  # noqa: E402
     HFModule,
     LitGPTModule,
     LossGPT,
+    MetricLlama,
     SequenceIdiomGPT,
     SlicedTableGPT,
 )
@@ -221,6 +222,7 @@ CASES.update(
             SequenceIdiomGPT, {"idiom": "conv_over_sequence"}, seq_len=25, strategy_kwargs=INDUCTOR
         ),
         "idiom_refused_branch_on_length": Case(SequenceIdiomGPT, {"idiom": "branch_on_length"}),
+        "idiom_metric_in_training_step": Case(MetricLlama, seq_len=64, batch_size=1),
         "idiom_insert_token": Case(
             SequenceIdiomGPT, {"idiom": "insert_token"}, seq_len=25, strategy_kwargs=INDUCTOR
         ),
