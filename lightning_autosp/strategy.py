@@ -38,7 +38,8 @@ from lightning_autosp.compiler.backend import (
     check_backend_options,
 )
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.layout import SequenceTags
+from lightning_autosp.compiler.layout import SequenceTags, Tag
+from lightning_autosp.compiler.layout import shard as shard_layout
 from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, gather_sequence, shard_batch
 from lightning_autosp.mesh import (
     DP,
@@ -377,7 +378,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
                 dp_rank=self.dp_rank,
                 sp_size=self.sp_size,
             )
-        sharded: list[torch.Tensor] = []
+        sharded: list[tuple[torch.Tensor, int]] = []
         batch, shard = shard_batch(
             batch,
             world=self.sp_size,
@@ -386,16 +387,12 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             sequence_keys=self.sequence_keys,
             ring_degree=self.ring_degree,
             ring_layout=self.ring_layout,
-            on_shard=sharded.append,
-        )
-        if min(shard.seq_lens) < 2:  # every rank has the same lengths: all raise, before any collective
-            raise ValueError(
-                f"The sequence has {shard.global_len} tokens over sp_size={self.sp_size} ranks "
-                f"({list(shard.seq_lens)} each): the compiler needs at least 2 tokens per rank. Use "
-                f"sequences of at least {2 * self.sp_size} tokens or a smaller sp_size."
-            )
+            on_shard=lambda tensor, dim: sharded.append((tensor, dim)),
+        )  # raises the length rule (data.check_sequence_length) alike on every rank: the samples agree
         # The compiler reads which tensors hold sequence shards from these tags, not from their sizes.
-        self._sequence_tags.mark_batch(batch, sharded, self.seq_dim, shard.global_len)
+        self._sequence_tags.mark_batch(batch, [t for t, _ in sharded], self.seq_dim, shard.global_len)
+        for tensor, dim in sharded:  # the sequence may sit on a later dim (data.sequence_dim)
+            self._sequence_tags.mark(tensor, Tag(shard_layout(dim), (shard.global_len,)))
         self.sequence_shard = shard
         return batch
 

@@ -150,6 +150,8 @@ def bad_input_cases() -> dict[str, tuple[list[dict], dict]]:
         "missing_sequence_key": (ids, {"sequence_keys": ["tokens"]}),
         "seq_dim_missing": (ids, {"seq_dim": 2}),
         "sp_larger_than_sequence": ([{"input_ids": s["input_ids"][:1]} for s in ids], {}),
+        # shards of 2 and 1 tokens: the one length rule, the same words as for 1 token
+        "one_token_on_a_rank": ([{"input_ids": s["input_ids"][:3]} for s in ids], {}),
     }
 
 

@@ -106,7 +106,8 @@ BAD_INPUT = {
     "lengths_disagree": "disagree on their length along seq_dim=1: {'input_ids': 24, 'labels': 23}",
     "missing_sequence_key": "sequence_keys ['tokens'] are not in the batch",
     "seq_dim_missing": "has shape (2, 24), which has no seq_dim=2",
-    "sp_larger_than_sequence": "The sequence has 1 tokens but sp_size=2",
+    "sp_larger_than_sequence": "The sequence has 1 tokens but sp_size=2 needs at least 4",
+    "one_token_on_a_rank": "The sequence has 3 tokens but sp_size=2 needs at least 4",
 }
 
 
