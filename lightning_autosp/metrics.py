@@ -34,7 +34,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.data import SequenceShard, all_gather_uneven, gather_sequence
+from lightning_autosp.data import SequenceShard
+from lightning_autosp.outputs import whole_sequence
 
 _METHODS = ("forward", "update")
 
@@ -110,22 +111,7 @@ class MetricsOverShards:
 
     def _gather(self, tensor: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
         tag = self._tags.get(tensor)
-        if tag is None or not tag.layout.is_shard:
-            return tensor  # the same on every rank of the sp group (a loss, a replicated value)
-        if len(tag.layout.dims) != 1:
-            raise NotImplementedError(
-                f"A metric was given a value indexed by tokens along several dims ({tag.layout}, shape "
-                f"{tuple(tensor.shape)}); only per-token values with one sequence dim are gathered for "
-                "metrics. Update the metric with per-token values."
-            )
-        (dim,) = tag.layout.dims
-        group, value = self._sp_group(), tensor.detach()
-        if dim not in tag.layout.flat and tag.global_sizes:
-            return gather_sequence(value, shard, group, dim, length=tag.global_sizes[0])
-        # Tokens flattened with other dims ([B * S_r]): every rank's piece, in rank order.
-        lengths = [torch.empty(1, dtype=torch.long, device=value.device) for _ in range(shard.world)]
-        dist.all_gather(lengths, torch.tensor([value.shape[dim]], device=value.device), group=group)
-        return torch.cat(all_gather_uneven(value, dim, [int(n) for n in lengths], group), dim=dim)
+        return whole_sequence(tensor, tag, shard, self._sp_group(), flat_in_rank_order=True)
 
 
 def _metric_types() -> tuple[type, ...]:

@@ -58,6 +58,7 @@ from lightning_autosp.mesh import (
 from lightning_autosp.meta_init import has_meta_tensors, materialize
 from lightning_autosp.metrics import MetricsOverShards
 from lightning_autosp.options import check_strategy_arguments, process_group_timeout
+from lightning_autosp.outputs import gather_predictions
 from lightning_autosp.sample_check import check_same_sample
 from lightning_autosp.steps import CompiledSteps
 
@@ -114,6 +115,9 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         check_samples: before each step, the ranks of an sp group check that they hold the same sample
             (a checksum of the sequence tensors, all-gathered; Note [Ranks hold the same sample] in
             ``sample_check.py``) and raise naming the ranks that differ. False turns the check off.
+        gather_predictions: ``predict_step``'s sequence-sharded outputs are gathered whole on every rank
+            (logits [B, S, V], as one device returns them; a collective per step). False keeps each
+            rank's shard, [B, S_r, V], for outputs too large to gather (``gather_sequence`` gathers one).
         timeout: process-group timeout, in seconds or as a ``timedelta``; a rank that fails leaves the
             others waiting at most this long.
         **ddp_kwargs: passed to ``DistributedDataParallel``.
@@ -138,6 +142,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         fsdp_gather: fsdp.FSDPGather | None = None,
         save_distributed_checkpoint: bool = False,
         check_samples: bool = True,
+        gather_predictions: bool = True,
         max_seq_len: int | None = None,
         memory_per_device: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -165,6 +170,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             "fsdp_gather": fsdp_gather,
             "save_distributed_checkpoint": save_distributed_checkpoint,
             "check_samples": check_samples,
+            "gather_predictions": gather_predictions,
             "max_seq_len": max_seq_len,
             "memory_per_device": memory_per_device,
             "process_group_backend": process_group_backend,
@@ -178,6 +184,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             sequence_keys=sequence_keys,
             save_distributed_checkpoint=save_distributed_checkpoint,
             check_samples=check_samples,
+            gather_predictions=gather_predictions,
             process_group_backend=process_group_backend,
             start_method=start_method,
             parallel_devices=parallel_devices,
@@ -237,6 +244,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self.fsdp_gather: fsdp.FSDPGather = fsdp_gather or "per_use"
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self.check_samples = check_samples
+        self.gather_predictions = gather_predictions
 
     @property
     def options(self) -> dict[str, Any]:
@@ -471,7 +479,12 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call_step("predict_step", *args, **kwargs)
+        output = self._call_step("predict_step", *args, **kwargs)
+        if self.sequence_shard is None or not self.gather_predictions:
+            return output
+        return gather_predictions(
+            output, self._sequence_tags, self.sequence_shard, self.device_mesh.get_group(SP)
+        )
 
     def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(self.model, FSDPModule):  # DDP wraps the module: Lightning redirects already

@@ -247,6 +247,7 @@ BAD_ARGUMENTS = [
     ({"sequence_keys": "input_ids"}, TypeError, r"sequence_keys=\['input_ids'\]"),
     ({"sequence_keys": [1]}, TypeError, "must be a list of batch keys"),
     ({"save_distributed_checkpoint": "yes"}, TypeError, "save_distributed_checkpoint='yes' must be True"),
+    ({"gather_predictions": "no"}, TypeError, "gather_predictions='no' must be True"),
     ({"process_group_backend": 1}, TypeError, "process_group_backend=1 must be a backend name"),
     ({"start_method": "thread"}, ValueError, r"start_method='thread' is not available here; use one of \["),
     ({"parallel_devices": ["cpu"]}, TypeError, r"parallel_devices=\['cpu'\] must be a list of torch.device"),
