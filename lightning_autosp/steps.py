@@ -279,9 +279,9 @@ def _tracing_settings() -> contextlib.AbstractContextManager:
 #     different tensors. The first rank then runs one all-to-all fewer than the second: each waits in a
 #     different collective (a metric's all-gather against the graph's all-to-all) until the timeout. The
 #     ranks agree on their graphs before the partitioner runs (Note [Ranks agree on their graphs]), so
-#     the steps compile without that pass: every collective the SP pass wrote runs on every rank. Inductor
-#     still merges the pointwise and reduction work it fuses; what is lost is the deduplication of whole
-#     repeated subgraphs across the joint graph, which traced models rarely have.
+#     the steps compile without that pass: every collective the SP pass wrote runs on every rank. The cost
+#     is whatever else the pass would have merged that Inductor does not (a repeated subgraph computed
+#     twice); not measured on a GPU yet. A pass that leaves collectives alone would keep the rest.
 
 
 def _collectives_kept_apart() -> contextlib.AbstractContextManager:
