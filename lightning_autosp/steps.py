@@ -281,7 +281,9 @@ def _tracing_settings() -> contextlib.AbstractContextManager:
 #     ranks agree on their graphs before the partitioner runs (Note [Ranks agree on their graphs]), so
 #     the steps compile without that pass: every collective the SP pass wrote runs on every rank. The cost
 #     is whatever else the pass would have merged that Inductor does not (a repeated subgraph computed
-#     twice); not measured on a GPU yet. A pass that leaves collectives alone would keep the rest.
+#     twice): for the tests' Llama and GPT under Inductor + SAC, SAC's saved bytes, the all-to-alls and
+#     the gradients came out the same with and without it; step time on a GPU is not measured yet. A pass
+#     that leaves collectives alone would keep the rest.
 
 
 def _collectives_kept_apart() -> contextlib.AbstractContextManager:
