@@ -36,6 +36,13 @@ from torch import Tensor
 RingLayout = Literal["zigzag", "contiguous"]
 RING_LAYOUTS = ("zigzag", "contiguous")
 
+# Every rank's shard must hold at least 2 tokens: Dynamo specializes a dim of size 1 (and 0) to a
+# constant, a broadcastable one, so a 1-token shard would compile a graph without the sequence symbol
+# whose collectives and rewrites differ from its peers'. A sequence of 2 * sp_size tokens gives every
+# rank 2 in every layout (contiguous: balanced sizes; zigzag: 2R chunks of at least U tokens, two per
+# ring rank, split over its U Ulysses ranks), and a shorter one leaves some rank fewer than 2 in all.
+MIN_TOKENS_PER_RANK = 2
+
 
 @dataclass(frozen=True)
 class LengthClass:
@@ -275,6 +282,29 @@ def _seq_len(tensor: Any, seq_dim: int, name: str) -> int:
     return tensor.shape[seq_dim]
 
 
+def check_sequence_length(global_len: int, sp_size: int) -> None:
+    """The one length rule of the sharded step: at least ``MIN_TOKENS_PER_RANK`` tokens per sp rank."""
+    if global_len < MIN_TOKENS_PER_RANK * sp_size:
+        raise ValueError(
+            f"The sequence has {global_len} tokens but sp_size={sp_size} needs at least "
+            f"{MIN_TOKENS_PER_RANK * sp_size}: every sp rank must hold {MIN_TOKENS_PER_RANK} tokens or more. "
+            f"Use sequences of at least {MIN_TOKENS_PER_RANK * sp_size} tokens (pad them in the collate "
+            "function) or a smaller sp_size."
+        )
+
+
+def sequence_dim(tensor: Tensor, seq_dim: int, global_len: int) -> int | None:
+    """The dim of ``tensor`` that carries the sequence: ``seq_dim`` when it has the sequence's length; else
+    the one later dim that has it (Qwen2-VL's multimodal ``position_ids``, [B, 3, S] or [3, B, S]); None
+    when no dim or several later dims have it (a pairwise mask [B, 1, S, S] stays whole)."""
+    if tensor.dim() <= seq_dim:
+        return None
+    if tensor.shape[seq_dim] == global_len:
+        return seq_dim
+    later = [d for d in range(seq_dim + 1, tensor.dim()) if tensor.shape[d] == global_len]
+    return later[0] if len(later) == 1 else None
+
+
 def shard_batch(
     batch: Any,
     *,
@@ -284,26 +314,30 @@ def shard_batch(
     sequence_keys: Sequence[str] | None = None,
     ring_degree: int = 1,
     ring_layout: RingLayout = "zigzag",
-    on_shard: Callable[[Tensor], None] | None = None,
+    on_shard: Callable[[Tensor, int], None] | None = None,
 ) -> tuple[Any, SequenceShard]:
     """Keep this rank's slice of every tensor that carries the sequence.
 
-    A tensor carries the sequence when its ``seq_dim`` has the global sequence length (the length of
-    ``input_ids``, or of ``sequence_keys``). Shapes: [B, S, ...] -> [B, S_r, ...]. With
-    ``ring_degree`` > 1 the slice follows ``ring_layout`` (Note [Ring layouts]). ``on_shard`` is called
-    with every slice kept (the strategy tags them for the compiler).
+    A tensor carries the sequence along the dim :func:`sequence_dim` finds: ``seq_dim`` when it has the
+    global sequence length (the length of ``input_ids``, or of ``sequence_keys``), else the one later dim
+    that has it. Shapes: [B, S, ...] -> [B, S_r, ...]; [B, 3, S] -> [B, 3, S_r]. With ``ring_degree`` > 1
+    the slice follows ``ring_layout`` (Note [Ring layouts]). ``on_shard`` is called with every slice kept
+    and its sequence dim (the strategy tags them for the compiler). A sequence shorter than
+    :func:`check_sequence_length` allows raises before any tensor is sliced.
     """
     global_len = find_sequence_length(batch, seq_dim, sequence_keys)
+    check_sequence_length(global_len, world)
     shard = SequenceShard.for_ring(global_len, world, rank, ring_degree, ring_layout)
 
     def narrow(tensor: Tensor) -> Tensor:
-        if tensor.dim() > seq_dim and tensor.shape[seq_dim] == global_len:
-            pieces = [tensor.narrow(seq_dim, start, end - start) for start, end in shard.ranges]
-            local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=seq_dim)
-            if on_shard is not None:
-                on_shard(local)
-            return local
-        return tensor
+        dim = sequence_dim(tensor, seq_dim, global_len)
+        if dim is None:
+            return tensor
+        pieces = [tensor.narrow(dim, start, end - start) for start, end in shard.ranges]
+        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        if on_shard is not None:
+            on_shard(local, dim)
+        return local
 
     return apply_to_collection(batch, Tensor, narrow), shard
 

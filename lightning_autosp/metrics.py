@@ -34,7 +34,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.data import SequenceShard, all_gather_uneven, gather_sequence
+from lightning_autosp.data import SequenceShard
+from lightning_autosp.outputs import whole_sequence
 
 _METHODS = ("forward", "update")
 
@@ -61,7 +62,10 @@ class MetricsOverShards:
             sp_group,
             dp_group,
         )
-        self._installed: list[tuple[nn.Module, Any]] = []
+        # Per metric: its process group and the instance attributes the wrappers replace, as they were
+        # (torchmetrics sets ``update`` and ``compute`` on each instance, wrapped with its update count and
+        # cache reset; popping ours would leave the bare class method, and a stale cache).
+        self._installed: list[tuple[nn.Module, Any, dict[str, Any]]] = []
 
     def install(self, module: nn.Module) -> None:
         metric_types = _metric_types()
@@ -70,16 +74,23 @@ class MetricsOverShards:
         for metric in module.modules():
             if not isinstance(metric, metric_types) or metric is module:
                 continue
-            self._installed.append((metric, getattr(metric, "process_group", None)))
+            if any(metric is installed for installed, *_ in self._installed):
+                continue  # wrapped already: a second wrapper would gather the gathered values
+            own = {name: metric.__dict__[name] for name in _METHODS if name in metric.__dict__}
+            self._installed.append((metric, getattr(metric, "process_group", None), own))
             if hasattr(metric, "process_group"):
                 metric.process_group = self._dp_group()
             for name in _METHODS:
                 setattr(metric, name, torch._dynamo.disable(self._whole(getattr(metric, name))))
 
     def uninstall(self) -> None:
-        for metric, process_group in self._installed:
+        """Give every metric back its own ``forward``, ``update`` and process group, exactly as they were."""
+        for metric, process_group, own in self._installed:
             for name in _METHODS:
-                metric.__dict__.pop(name, None)
+                if name in own:
+                    metric.__dict__[name] = own[name]
+                else:
+                    metric.__dict__.pop(name, None)
             if hasattr(metric, "process_group"):
                 metric.process_group = process_group
         self._installed.clear()
@@ -100,22 +111,7 @@ class MetricsOverShards:
 
     def _gather(self, tensor: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
         tag = self._tags.get(tensor)
-        if tag is None or not tag.layout.is_shard:
-            return tensor  # the same on every rank of the sp group (a loss, a replicated value)
-        if len(tag.layout.dims) != 1:
-            raise NotImplementedError(
-                f"A metric was given a value indexed by tokens along several dims ({tag.layout}, shape "
-                f"{tuple(tensor.shape)}); only per-token values with one sequence dim are gathered for "
-                "metrics. Update the metric with per-token values."
-            )
-        (dim,) = tag.layout.dims
-        group, value = self._sp_group(), tensor.detach()
-        if dim not in tag.layout.flat and tag.global_sizes:
-            return gather_sequence(value, shard, group, dim, length=tag.global_sizes[0])
-        # Tokens flattened with other dims ([B * S_r]): every rank's piece, in rank order.
-        lengths = [torch.empty(1, dtype=torch.long, device=value.device) for _ in range(shard.world)]
-        dist.all_gather(lengths, torch.tensor([value.shape[dim]], device=value.device), group=group)
-        return torch.cat(all_gather_uneven(value, dim, [int(n) for n in lengths], group), dim=dim)
+        return whole_sequence(tensor, tag, shard, self._sp_group(), flat_in_rank_order=True)
 
 
 def _metric_types() -> tuple[type, ...]:

@@ -60,6 +60,7 @@ def check_strategy_arguments(
     sequence_keys: object,
     save_distributed_checkpoint: object,
     check_samples: object,
+    gather_predictions: object,
     process_group_backend: object,
     start_method: object,
     parallel_devices: object,
@@ -85,6 +86,11 @@ def check_strategy_arguments(
         raise TypeError(
             f"check_samples={check_samples!r} must be True (the ranks of an sp group check that they hold "
             "the same sample before each step) or False."
+        )
+    if not isinstance(gather_predictions, bool):
+        raise TypeError(
+            f"gather_predictions={gather_predictions!r} must be True (predict_step's sequence outputs "
+            "gathered whole on every rank) or False (each rank keeps its shard)."
         )
     if process_group_backend is not None and not isinstance(process_group_backend, str):
         raise TypeError(

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-from lightning_autosp.data import find_sequence_length
+from lightning_autosp.data import find_sequence_length, sequence_dim
 
 # Odd multiplier of Knuth's multiplicative hash: positions weighted by it make a swap of two tokens
 # change the sum.
@@ -39,7 +39,7 @@ def sample_digest(
 ) -> torch.Tensor:
     """[global length, number of sequence tensors, their combined checksum], int64 on ``device``.
 
-    The sequence tensors are those the strategy shards: ``seq_dim`` as long as the sequence. A batch
+    The sequence tensors are those the strategy shards (``data.sequence_dim``). A batch
     without a sequence gives a length of -1 (its own error is raised after the ranks have compared)."""
     try:
         global_len = find_sequence_length(batch, seq_dim, sequence_keys)
@@ -49,7 +49,7 @@ def sample_digest(
     apply_to_collection(
         batch,
         torch.Tensor,
-        lambda t: tensors.append(t) if t.dim() > seq_dim and t.shape[seq_dim] == global_len else None,
+        lambda t: tensors.append(t) if sequence_dim(t, seq_dim, global_len) is not None else None,
     )
     combined = torch.zeros((), dtype=torch.int64, device=device)
     for index, tensor in enumerate(tensors):

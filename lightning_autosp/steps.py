@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch._functorch.config
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._dynamo.utils import counters, guard_failures
@@ -146,7 +147,7 @@ class CompiledSteps:
                 )
             skipped, frames_before = frames_not_compiled(), counters["frames"]["ok"]
             breaks_before = collections.Counter(counters["unimplemented"])
-            with _tracing_settings(), _recompiles_limited(len(compiled)):
+            with _tracing_settings(), _recompiles_limited(len(compiled)), _collectives_kept_apart():
                 try:
                     output = compiled[region](*args, **kwargs)
                 except FailOnRecompileLimitHit as error:
@@ -267,6 +268,27 @@ def _tracing_settings() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(
         ignore_logging_functions=methods, skip_fwd_side_effects_in_bwd_under_checkpoint=True
     )
+
+
+# Note [Collectives kept apart]
+#     AOTAutograd's partitioner merges nodes of the joint graph that compute the same op on the same inputs
+#     (its common-subexpression pass, ``torch._functorch.config.cse``), and a functional collective is such
+#     a node to it. Two collectives can look alike on one rank only: a rank that sends nothing in two
+#     windows of the label shift (sp rank 0 of ``ids[:, 1:]`` in the step and of HF's padded labels in its
+#     loss) passes the same empty buffer and splits to both, while the rank that sends to it passes two
+#     different tensors. The first rank then runs one all-to-all fewer than the second: each waits in a
+#     different collective (a metric's all-gather against the graph's all-to-all) until the timeout. The
+#     ranks agree on their graphs before the partitioner runs (Note [Ranks agree on their graphs]), so
+#     the steps compile without that pass: every collective the SP pass wrote runs on every rank. The cost
+#     is whatever else the pass would have merged that Inductor does not (a repeated subgraph computed
+#     twice): for the tests' Llama and GPT under Inductor + SAC, SAC's saved bytes, the all-to-alls and
+#     the gradients came out the same with and without it; step time on a GPU is not measured yet. A pass
+#     that leaves collectives alone would keep the rest.
+
+
+def _collectives_kept_apart() -> contextlib.AbstractContextManager:
+    """Compile without AOTAutograd's common-subexpression pass (Note [Collectives kept apart])."""
+    return torch._functorch.config.patch(cse=False)
 
 
 def _ring_description(shard: SequenceShard) -> str:

@@ -38,7 +38,8 @@ from lightning_autosp.compiler.backend import (
     check_backend_options,
 )
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.layout import SequenceTags
+from lightning_autosp.compiler.layout import SequenceTags, Tag
+from lightning_autosp.compiler.layout import shard as shard_layout
 from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, gather_sequence, shard_batch
 from lightning_autosp.mesh import (
     DP,
@@ -57,6 +58,7 @@ from lightning_autosp.mesh import (
 from lightning_autosp.meta_init import has_meta_tensors, materialize
 from lightning_autosp.metrics import MetricsOverShards
 from lightning_autosp.options import check_strategy_arguments, process_group_timeout
+from lightning_autosp.outputs import gather_predictions
 from lightning_autosp.sample_check import check_same_sample
 from lightning_autosp.steps import CompiledSteps
 
@@ -113,6 +115,9 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         check_samples: before each step, the ranks of an sp group check that they hold the same sample
             (a checksum of the sequence tensors, all-gathered; Note [Ranks hold the same sample] in
             ``sample_check.py``) and raise naming the ranks that differ. False turns the check off.
+        gather_predictions: ``predict_step``'s sequence-sharded outputs are gathered whole on every rank
+            (logits [B, S, V], as one device returns them; a collective per step). False keeps each
+            rank's shard, [B, S_r, V], for outputs too large to gather (``gather_sequence`` gathers one).
         timeout: process-group timeout, in seconds or as a ``timedelta``; a rank that fails leaves the
             others waiting at most this long.
         **ddp_kwargs: passed to ``DistributedDataParallel``.
@@ -137,6 +142,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         fsdp_gather: fsdp.FSDPGather | None = None,
         save_distributed_checkpoint: bool = False,
         check_samples: bool = True,
+        gather_predictions: bool = True,
         max_seq_len: int | None = None,
         memory_per_device: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -164,6 +170,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             "fsdp_gather": fsdp_gather,
             "save_distributed_checkpoint": save_distributed_checkpoint,
             "check_samples": check_samples,
+            "gather_predictions": gather_predictions,
             "max_seq_len": max_seq_len,
             "memory_per_device": memory_per_device,
             "process_group_backend": process_group_backend,
@@ -177,6 +184,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             sequence_keys=sequence_keys,
             save_distributed_checkpoint=save_distributed_checkpoint,
             check_samples=check_samples,
+            gather_predictions=gather_predictions,
             process_group_backend=process_group_backend,
             start_method=start_method,
             parallel_devices=parallel_devices,
@@ -236,6 +244,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self.fsdp_gather: fsdp.FSDPGather = fsdp_gather or "per_use"
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self.check_samples = check_samples
+        self.gather_predictions = gather_predictions
 
     @property
     def options(self) -> dict[str, Any]:
@@ -377,7 +386,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
                 dp_rank=self.dp_rank,
                 sp_size=self.sp_size,
             )
-        sharded: list[torch.Tensor] = []
+        sharded: list[tuple[torch.Tensor, int]] = []
         batch, shard = shard_batch(
             batch,
             world=self.sp_size,
@@ -386,16 +395,12 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             sequence_keys=self.sequence_keys,
             ring_degree=self.ring_degree,
             ring_layout=self.ring_layout,
-            on_shard=sharded.append,
-        )
-        if min(shard.seq_lens) < 2:  # every rank has the same lengths: all raise, before any collective
-            raise ValueError(
-                f"The sequence has {shard.global_len} tokens over sp_size={self.sp_size} ranks "
-                f"({list(shard.seq_lens)} each): the compiler needs at least 2 tokens per rank. Use "
-                f"sequences of at least {2 * self.sp_size} tokens or a smaller sp_size."
-            )
+            on_shard=lambda tensor, dim: sharded.append((tensor, dim)),
+        )  # raises the length rule (data.check_sequence_length) alike on every rank: the samples agree
         # The compiler reads which tensors hold sequence shards from these tags, not from their sizes.
-        self._sequence_tags.mark_batch(batch, sharded, self.seq_dim, shard.global_len)
+        self._sequence_tags.mark_batch(batch, [t for t, _ in sharded], self.seq_dim, shard.global_len)
+        for tensor, dim in sharded:  # the sequence may sit on a later dim (data.sequence_dim)
+            self._sequence_tags.mark(tensor, Tag(shard_layout(dim), (shard.global_len,)))
         self.sequence_shard = shard
         return batch
 
@@ -474,7 +479,12 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call_step("predict_step", *args, **kwargs)
+        output = self._call_step("predict_step", *args, **kwargs)
+        if self.sequence_shard is None or not self.gather_predictions:
+            return output
+        return gather_predictions(
+            output, self._sequence_tags, self.sequence_shard, self.device_mesh.get_group(SP)
+        )
 
     def _call_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(self.model, FSDPModule):  # DDP wraps the module: Lightning redirects already

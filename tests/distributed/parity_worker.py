@@ -51,8 +51,11 @@ from tests.distributed.user_modules import (  # noqa: E402
     HFModule,
     LitGPTModule,
     LossGPT,
+    MetricLlama,
+    MultimodalQwen,
     SequenceIdiomGPT,
     SlicedTableGPT,
+    multimodal_positions,
 )
 from tests.flash_stand_in import flash_attn_stand_in  # noqa: E402
 from tests.launch import end_worker  # noqa: E402
@@ -73,6 +76,7 @@ class Case:
     drop_last_loss_chunk: bool = False  # negative control: the chunked loss skips its last chunk
     ring_attention: bool = True  # False, negative control: each ring rank attends to its own tokens only
     meta_init: bool = False  # train a copy built on the meta device, materialised by the strategy
+    multimodal_positions: bool = False  # position_ids [3, S] per sample (Qwen2-VL's rotary sections)
 
 
 RING = {"ulysses_degree": "auto", "ring_layout": "zigzag"}
@@ -221,6 +225,13 @@ CASES.update(
             SequenceIdiomGPT, {"idiom": "conv_over_sequence"}, seq_len=25, strategy_kwargs=INDUCTOR
         ),
         "idiom_refused_branch_on_length": Case(SequenceIdiomGPT, {"idiom": "branch_on_length"}),
+        "idiom_multimodal_position_ids": Case(
+            MultimodalQwen,
+            seq_len=25,
+            multimodal_positions=True,
+            strategy_kwargs={"find_unused_parameters": True},
+        ),
+        "idiom_metric_in_training_step": Case(MetricLlama, seq_len=64, batch_size=1),
         "idiom_insert_token": Case(
             SequenceIdiomGPT, {"idiom": "insert_token"}, seq_len=25, strategy_kwargs=INDUCTOR
         ),
@@ -265,6 +276,8 @@ def make_samples(case: Case, count: int) -> list[dict]:
             sample["labels"] = labels
         if case.documents:
             sample.update(packed_inputs(case.documents))
+        if case.multimodal_positions:
+            sample["position_ids"] = multimodal_positions(case.seq_len)
         samples.append(sample)
     return samples
 

@@ -1,7 +1,8 @@
 """torchmetrics updated inside compiled steps under AutoSPStrategy equal one device (Note [Metrics over
 sequence shards]): per-step batch values and epoch values of accuracy (sum states), a mean per-token
-loss, AUROC (concatenated states) and a mean of per-sequence losses, in training and validation, at an
-odd length, under the defaults (Inductor + SAC; ``tests/distributed/metrics_worker.py``, 2 ranks, sp=2)."""
+loss, AUROC (concatenated states) and a mean of per-sequence losses, in training, validation and a test
+run after fit, at an odd length, under the defaults (Inductor + SAC; ``tests/distributed/metrics_worker.py``,
+2 ranks, sp=2)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,9 @@ def test_epoch_values_logged_and_computed(results):
 def test_sync_dist_of_a_whole_sequence_value(results):
     # every rank of an sp group holds the whole-sequence loss: a mean over dp x sp ranks leaves it as it is
     assert close(results["sp"]["logged"]["val_loss"], results["reference"]["val_loss"])
+
+
+@pytest.mark.timeout(METRICS_HANG_GUARD_S + 60)
+def test_metrics_in_the_test_step_after_fit(results):
+    # trainer.test after fit: the metrics the first stage gave back work as one device's
+    assert close(results["sp"]["tested"]["test_acc"], results["reference"]["epoch"]["test_acc"])

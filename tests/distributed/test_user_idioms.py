@@ -27,6 +27,8 @@ EXACT = [
     "idiom_pool_last_token",  # a partial pick, all-reduced
     "idiom_conv_over_sequence",  # Inductor + SAC: a window with the previous rank's boundary rows
     "idiom_insert_token",  # Inductor + SAC: the sequence one longer, every shard shifted by one
+    "idiom_metric_in_training_step",  # a metric's label window beside HF's: once a hang (issue 48)
+    "idiom_multimodal_position_ids",  # Qwen2-VL's position_ids [B, 3, S]: sharded along dim 2
 ]
 REFUSED = {
     "idiom_refused_branch_on_length": "branched on the sequence length",

@@ -178,6 +178,50 @@ class ReadmeLlama(_SGD):
         return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
 
 
+class MetricLlama(ReadmeLlama):
+    """README's Llama with a torchmetrics accuracy updated and logged in ``training_step`` (issue 48): the
+    metric's labels ``ids[:, 1:]`` and HF's padded, shifted labels are two windows of the ids, which the
+    partitioner once merged on the rank that sends nothing (Note [Collectives kept apart] in steps.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.acc = MulticlassAccuracy(num_classes=VOCAB, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        self.acc(out.logits[:, :-1].argmax(-1).reshape(-1), batch["input_ids"][:, 1:].reshape(-1))
+        self.log("train_acc", self.acc, on_step=True)
+        return out.loss
+
+
+class MultimodalQwen(_SGD):
+    """Qwen2-VL given multimodal rotary positions by the collator: ``position_ids`` [B, 3, S] (temporal,
+    height and width per token), the sequence on dim 2, not on the batch's seq_dim. Text only: the vision
+    tower gets no gradient (DDP needs ``find_unused_parameters=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        text = {**TINY_HF, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
+        vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2}
+        self.model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        positions = batch["position_ids"].transpose(0, 1)  # HF takes [3, B, S]
+        ids = batch["input_ids"]
+        return self.model(input_ids=ids, position_ids=positions, labels=ids).loss
+
+
+def multimodal_positions(length: int) -> torch.Tensor:
+    """[3, S] rotary positions, one row per section; the rows differ, so a position read from another
+    token or section changes the loss."""
+    tokens = torch.arange(length)
+    return torch.stack([tokens, tokens // 2, tokens % 5])
+
+
 class LitGPTModule(_SGD):
     """litgpt's ``GPT`` (rope cache sliced ``cos[:T]``), built from a config."""
 

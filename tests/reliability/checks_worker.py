@@ -150,6 +150,8 @@ def bad_input_cases() -> dict[str, tuple[list[dict], dict]]:
         "missing_sequence_key": (ids, {"sequence_keys": ["tokens"]}),
         "seq_dim_missing": (ids, {"seq_dim": 2}),
         "sp_larger_than_sequence": ([{"input_ids": s["input_ids"][:1]} for s in ids], {}),
+        # shards of 2 and 1 tokens: the one length rule, the same words as for 1 token
+        "one_token_on_a_rank": ([{"input_ids": s["input_ids"][:3]} for s in ids], {}),
     }
 
 
@@ -348,15 +350,23 @@ def check_validate(**strategy_kwargs: Any) -> dict:
     trainer = make_trainer(make_strategy(2, **strategy_kwargs))
     results = trainer.validate(module, DataLoader(samples, batch_size=2))
     tested = trainer.test(module, DataLoader(samples, batch_size=2))
-    # predict returns this rank's slice of the sequence; gather_sequence puts the whole output together.
+    # predict returns whole sequences, as one device does; with gather_predictions=False, this rank's
+    # slice, which gather_sequence puts together (the same compiled step: the option acts after it).
+    (predicted,) = trainer.predict(module, DataLoader(samples[:2], batch_size=2))
+    trainer.strategy.gather_predictions = False
     (local,) = trainer.predict(module, DataLoader(samples[:2], batch_size=2))
-    predicted = trainer.strategy.gather_sequence(local, dim=1)
+    gathered = trainer.strategy.gather_sequence(local, dim=1)
     return {
         "val_loss": results[0]["val_loss"],
         "test_loss": tested[0]["test_loss"],
         "predict_shape_ok": tuple(predicted.shape) == tuple(logits.shape),
         "predict_max_abs_err": (predicted - logits).abs().max().item()
         if predicted.shape == logits.shape
+        else None,
+        "kept_shard_length": local.shape[1],
+        "shard_length": trainer.strategy.sequence_shard.local_len,
+        "gathered_max_abs_err": (gathered - logits).abs().max().item()
+        if gathered.shape == logits.shape
         else None,
         "reference": sum(eager) / len(eager),
         "reference_per_batch": eager,

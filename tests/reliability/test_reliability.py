@@ -106,7 +106,8 @@ BAD_INPUT = {
     "lengths_disagree": "disagree on their length along seq_dim=1: {'input_ids': 24, 'labels': 23}",
     "missing_sequence_key": "sequence_keys ['tokens'] are not in the batch",
     "seq_dim_missing": "has shape (2, 24), which has no seq_dim=2",
-    "sp_larger_than_sequence": "The sequence has 1 tokens but sp_size=2",
+    "sp_larger_than_sequence": "The sequence has 1 tokens but sp_size=2 needs at least 4",
+    "one_token_on_a_rank": "The sequence has 3 tokens but sp_size=2 needs at least 4",
 }
 
 
@@ -224,10 +225,14 @@ def test_validation_loss_equals_single_device(checks, check):
 
 @pytest.mark.timeout(CHECKS_HANG_GUARD_S + 60)
 @pytest.mark.parametrize("check", ["validate", "fsdp_validate"])
-def test_predict_returns_each_ranks_slice_of_the_exact_output(checks, check):
+def test_predict_returns_whole_sequences_or_each_ranks_slice(checks, check):
     for rank, result in each_rank(checks, check):
+        # by default the whole logits (B, S, V) on every rank, as one device returns them
         assert result["predict_shape_ok"], (rank, result)
         assert result["predict_max_abs_err"] < 1e-5, rank
+        # gather_predictions=False: this rank's slice, which gather_sequence makes whole
+        assert result["kept_shard_length"] == result["shard_length"] < 30, (rank, result)
+        assert result["gathered_max_abs_err"] < 1e-5, rank
 
 
 # 5. numerics

@@ -108,9 +108,14 @@ def shard(
     batch: dict, world: int, rank: int, tags: SequenceTags, **kwargs: Any
 ) -> tuple[dict, SequenceShard]:
     """``shard_batch`` and tag the result as the strategy does."""
-    sharded: list[torch.Tensor] = []
-    local, sequence_shard = shard_batch(batch, world=world, rank=rank, on_shard=sharded.append, **kwargs)
-    tags.mark_batch(local, sharded, kwargs.get("seq_dim", 1), sequence_shard.global_len)
+    sharded: list[tuple[torch.Tensor, int]] = []
+    local, sequence_shard = shard_batch(
+        batch, world=world, rank=rank, on_shard=lambda tensor, dim: sharded.append((tensor, dim)), **kwargs
+    )
+    global_len = sequence_shard.global_len
+    tags.mark_batch(local, [tensor for tensor, _ in sharded], kwargs.get("seq_dim", 1), global_len)
+    for tensor, dim in sharded:  # the sequence may sit on a later dim (data.sequence_dim)
+        tags.mark(tensor, Tag(layout_shard(dim), (global_len,)))
     return local, sequence_shard
 
 

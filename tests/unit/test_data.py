@@ -147,3 +147,48 @@ def test_seq_dim_too_large() -> None:
 def test_sequence_shorter_than_sp_size() -> None:
     with pytest.raises(ValueError, match="at least"):
         shard_batch({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, world=4, rank=0)
+
+
+@pytest.mark.parametrize("global_len", [1, 3])
+@pytest.mark.parametrize("ring_degree", [1, 2])
+def test_one_length_rule_for_every_short_sequence(global_len: int, ring_degree: int) -> None:
+    """1 token and 3 tokens over 2 ranks get the same rule and words (once: ">= 2", then ">= 4")."""
+    world = 2 * ring_degree
+    needed = 2 * world
+    ids = torch.zeros(1, global_len * ring_degree, dtype=torch.long)
+    with pytest.raises(
+        ValueError, match=rf"has {ids.shape[1]} tokens but sp_size={world} needs at least {needed}"
+    ):
+        shard_batch({"input_ids": ids}, world=world, rank=0, ring_degree=ring_degree)
+
+
+@pytest.mark.parametrize(
+    ("world", "ring_degree", "layout"),
+    [(2, 1, "zigzag"), (4, 2, "zigzag"), (6, 3, "zigzag"), (4, 2, "contiguous"), (8, 2, "zigzag")],
+)
+def test_two_tokens_per_rank_is_enough_in_every_layout(world: int, ring_degree: int, layout: str) -> None:
+    ids = torch.arange(2 * world).view(1, -1)
+    for rank in range(world):
+        _, shard = shard_batch(
+            {"input_ids": ids}, world=world, rank=rank, ring_degree=ring_degree, ring_layout=layout
+        )
+        assert min(shard.seq_lens) == 2
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 10), (3, 2, 10)])
+def test_sequence_on_a_later_dim_is_sharded_along_it(shape: tuple[int, ...]) -> None:
+    """Qwen2-VL's multimodal position_ids ([B, 3, S] or [3, B, S]) carry the sequence on dim 2."""
+    positions = torch.arange(60).view(shape)
+    found = []
+    batch = {"input_ids": torch.zeros(2, 10, dtype=torch.long), "position_ids": positions}
+    sharded, _ = shard_batch(batch, world=2, rank=1, on_shard=lambda t, dim: found.append(dim))
+    assert torch.equal(sharded["position_ids"], positions[..., 5:])
+    assert found == [1, 2]
+
+
+def test_a_tensor_with_the_length_on_several_later_dims_stays_whole() -> None:
+    mask = torch.ones(2, 1, 10, 10)  # pairwise: read whole by the compiler
+    sharded, _ = shard_batch(
+        {"input_ids": torch.zeros(2, 10, dtype=torch.long), "mask": mask}, world=2, rank=0
+    )
+    assert sharded["mask"] is mask

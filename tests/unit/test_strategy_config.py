@@ -187,6 +187,19 @@ def test_batch_to_device_keeps_this_sp_ranks_slice(monkeypatch: pytest.MonkeyPat
     assert s.sequence_shard is not None and s.sequence_shard.seq_lens == (6, 5) and s.sequence_shard.rank == 1
 
 
+def test_batch_to_device_tags_a_sequence_on_a_later_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2-VL's position_ids [B, 3, S]: sharded along dim 2 and tagged so, not left whole on every rank."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    s = strategy(2, sp_size=2, check_samples=False)
+    s.set_world_ranks()
+    ids, positions = torch.arange(20).reshape(2, 10), torch.arange(60).reshape(2, 3, 10)
+    batch = s.batch_to_device({"input_ids": ids, "position_ids": positions})
+    assert torch.equal(batch["position_ids"], positions[..., 5:])
+    tags = {key: s._sequence_tags.get(batch[key]) for key in batch}
+    assert (tags["input_ids"].layout.dims, tags["position_ids"].layout.dims) == ((1,), (2,))
+    assert tags["position_ids"].layout.is_shard and tags["position_ids"].global_sizes == (10,)
+
+
 def test_batch_to_device_without_sequence_parallelism() -> None:
     s = strategy(1, sp_size=1)
     s.set_world_ranks()
@@ -234,6 +247,7 @@ BAD_ARGUMENTS = [
     ({"sequence_keys": "input_ids"}, TypeError, r"sequence_keys=\['input_ids'\]"),
     ({"sequence_keys": [1]}, TypeError, "must be a list of batch keys"),
     ({"save_distributed_checkpoint": "yes"}, TypeError, "save_distributed_checkpoint='yes' must be True"),
+    ({"gather_predictions": "no"}, TypeError, "gather_predictions='no' must be True"),
     ({"process_group_backend": 1}, TypeError, "process_group_backend=1 must be a backend name"),
     ({"start_method": "thread"}, ValueError, r"start_method='thread' is not available here; use one of \["),
     ({"parallel_devices": ["cpu"]}, TypeError, r"parallel_devices=\['cpu'\] must be a list of torch.device"),
