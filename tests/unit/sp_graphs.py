@@ -277,9 +277,18 @@ class ThreadedComm:
             assert out.shape == value.shape, "all_gather shapes disagree across ranks"
             out.copy_(value)
 
-    def all_reduce(self, tensor, group=None) -> None:
-        everyone = self._exchange("all_reduce", tensor.clone())
-        tensor.copy_(torch.stack(everyone).sum(0))
+    # ``ops`` reads the reduce ops off the module it calls ``dist``, which is this object in a simulation.
+    ReduceOp = dist.ReduceOp
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+        everyone = torch.stack(self._exchange("all_reduce", tensor.clone()))
+        reductions = {
+            dist.ReduceOp.SUM: lambda: everyone.sum(0),
+            dist.ReduceOp.MAX: lambda: everyone.amax(0),
+            dist.ReduceOp.MIN: lambda: everyone.amin(0),
+        }
+        assert op in reductions, f"reduce op {op} is not simulated"
+        tensor.copy_(reductions[op]())
 
     def isend(self, tensor, group=None, tag=0, group_dst=None) -> _Done:
         self.calls[self.rank].append("isend")
