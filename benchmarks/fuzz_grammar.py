@@ -20,6 +20,7 @@ ELEMENTS: dict[str, tuple[str, ...]] = {
         "table_index",
         "position_ids",
         "rotary",
+        "rotary_cache",
         "alibi",
     ),
     "mixer": (
@@ -118,7 +119,7 @@ ATTENTION_MIXERS = ("sdpa", "manual_attention", "multihead_attention")
 # Weights of the choices where "most common first" is not enough: the context's report (a pooled head
 # over a causal GPT) and per-sequence losses get extra weight.
 WEIGHTS: dict[str, tuple[float, ...]] = {
-    "positions": (1, 3, 2, 1, 1, 2, 1),
+    "positions": (1, 3, 2, 1, 1, 1, 1, 1),
     "mixer": (6, 2, 2, 1, 1, 1, 1),
     "head": (3, 3, 2, 2, 2, 2, 2, 2),
     "ignore_index": (3, 1, 1),

@@ -60,7 +60,9 @@ def _norm(spec: Spec) -> str:
 
 
 def _position_args(spec: Spec) -> str:
-    return {"rotary": ", cos, sin", "alibi": ", bias"}.get(spec["positions"], "")
+    return {"rotary": ", cos, sin", "rotary_cache": ", cos, sin", "alibi": ", bias"}.get(
+        spec["positions"], ""
+    )
 
 
 def _allowed(spec: Spec) -> list[str]:
@@ -97,7 +99,7 @@ def _qkv(spec: Spec) -> tuple[list[str], list[str]]:
         "k = self.k(h).view(B, T, KV, DH).transpose(1, 2)",
         "v = self.v(h).view(B, T, KV, DH).transpose(1, 2)",
     ]
-    if spec["positions"] == "rotary":
+    if spec["positions"] in ("rotary", "rotary_cache"):
         forward.append("q, k = rotate(q, cos, sin), rotate(k, cos, sin)")
     if spec["kv_heads"] == "gqa_repeat":
         forward.append("k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)")
@@ -234,6 +236,15 @@ def _positions(spec: Spec) -> tuple[list[str], list[str]]:
                 "angles = torch.outer(torch.arange(T, device=ids.device).float(), self.inv_freq)",
                 "cos, sin = angles.cos(), angles.sin()",
             ],
+        ),
+        "rotary_cache": (  # litgpt's and minGPT-style caches: tables for the longest length, sliced
+            [
+                "inv_freq = 1.0 / 10000 ** (torch.arange(0, DH, 2).float() / DH)",
+                "angles = torch.outer(torch.arange(MAX_LEN).float(), inv_freq)",
+                'self.register_buffer("cos_cached", angles.cos())',
+                'self.register_buffer("sin_cached", angles.sin())',
+            ],
+            ["cos, sin = self.cos_cached[:T], self.sin_cached[:T]"],
         ),
         "alibi": (
             ['self.register_buffer("slopes", 2.0 ** -torch.arange(1, H + 1).float())'],
@@ -393,7 +404,7 @@ def source(spec: Spec) -> str:
     ]
     if spec["norm"] == "rmsnorm":
         parts.append(_RMSNORM)
-    if spec["positions"] == "rotary":
+    if spec["positions"] in ("rotary", "rotary_cache"):
         parts.append(_ROTATE)
     parts += ["\n\n" + "\n".join(_block(spec)) + "\n", "\n\n" + "\n".join(_case(spec)) + "\n"]
     return "".join(parts)
