@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import grad_rel_err, rel_err
-from benchmarks.fuzz_grammar import ELEMENTS, Spec, sample, shrink_candidates
+from benchmarks.fuzz_grammar import DROPPED, ELEMENTS, Spec, sample, shrink_moves
 from benchmarks.fuzz_source import build
 from tests.unit.sp_graphs import simulate_step, single_device
 
@@ -79,14 +79,15 @@ def refusal_class(message: str, text: str = "") -> tuple[str, str]:
     if "branched on the sequence length" in first:
         return "branch on the sequence length", first
     # "- <op> at <file>:<line> in <function>: <quoted source line>: <reason>. <fix>"
-    match = re.match(r"- (\S+) at <fuzz case \d+>:\d+ in \w+: (.*)", first)
+    match = re.match(r"- (\S+) at (?:<fuzz case \d+>:\d+ in \w+|graph node \S+): (.*)", first)
     if match is None:
         return first[:80], first
     op, rest = match.groups()
     quoted = [line.strip() for line in text.splitlines() if line.strip() and rest.startswith(line.strip())]
     reason = rest[len(max(quoted, key=len)) + 2 :] if quoted else rest
     reason = re.sub(r"\([^()]*\)|\[[^\]]*\]", "", reason)  # the values in it, which vary by case
-    return f"{op}: {re.split(r'[.;]', reason)[0].strip()[:70]}", first
+    reason = re.sub(r"\s+", " ", re.split(r"[.;]", reason)[0]).strip()
+    return f"{op}: {reason[:70]}", first
 
 
 def run_case(spec: Spec, seed: int) -> Outcome:
@@ -128,19 +129,19 @@ def _worst_gradients(grads: dict, reference: dict, count: int = 3) -> str:
 
 
 def shrink(spec: Spec, seed: int, outcome: Outcome, budget: int = 40) -> tuple[Spec, Outcome]:
-    """The simplest spec found (at most ``budget`` tries) whose case is still a defect of the same kind."""
-    tries = 0
-    changed = True
+    """The simplest spec found (at most ``budget`` tries) whose case is still a defect of the same kind:
+    passes over the moves (``shrink_moves``), each kept when the defect persists, until a pass keeps none."""
+    tries, changed = 0, True
     while changed and tries < budget:
         changed = False
-        for candidate in shrink_candidates(spec):
-            if tries >= budget:
-                break
+        for move in shrink_moves():
+            candidate = move(spec)
+            if candidate == spec or tries >= budget:
+                continue
             tries += 1
             result = _guarded(candidate, seed)
             if result.verdict == "DEFECT" and result.reason == outcome.reason:
                 spec, outcome, changed = candidate, result, True
-                break
     return spec, outcome
 
 
@@ -204,16 +205,22 @@ def coverage(cases: list[Case]) -> list[str]:
 
 
 def defect_reports(cases: list[Case], shrink_budget: int, log: Callable[[str], None] = print) -> list[str]:
-    lines: list[str] = []
+    """Each defect shrunk and printed; a defect whose case holds every essential choice of one already
+    shrunk (same kind) is listed under it instead of shrunk again (shrinking costs up to ``shrink_budget``
+    cases)."""
+    groups: list[tuple[str, dict[str, str], list[int], list[str]]] = []  # kind, core, seeds, report
     for case in cases:
         if case.outcome.verdict != "DEFECT":
+            continue
+        used = case.spec.used()
+        known = [g for g in groups if g[0] == case.outcome.reason and g[1].items() <= used.items()]
+        if known:
+            known[0][2].append(case.seed)
             continue
         log(f"shrinking seed {case.seed} ...")
         spec, outcome = shrink(case.spec, case.seed, case.outcome, shrink_budget)
         _, _, text = build(spec, case.seed)
-        lines += [
-            f"### seed {case.seed}: {case.outcome.reason}",
-            "",
+        lines = [
             f"As found: {case.spec.describe()}",
             f"({_cell(case.outcome.detail.splitlines()[0])})",
             "",
@@ -225,7 +232,25 @@ def defect_reports(cases: list[Case], shrink_budget: int, log: Callable[[str], N
             "```",
             "",
         ]
+        groups.append((case.outcome.reason, essential(spec), [case.seed], lines))
+    lines: list[str] = []
+    for kind, core, seeds, found in groups:
+        also = (
+            f" (and {len(seeds) - 1} more cases with its essential choices: seeds {seeds[1:]})"
+            if seeds[1:]
+            else ""
+        )
+        lines += [f"### seed {seeds[0]}: {kind}{also}", "", f"Essential choices: {core}", "", *found]
     return lines
+
+
+def essential(spec: Spec) -> dict[str, str]:
+    """The choices of a shrunk spec that shrinking could not drop (neither left out nor the simplest)."""
+    return {
+        element: choice
+        for element, choice in spec.used().items()
+        if choice not in (DROPPED.get(element), ELEMENTS[element][0])
+    }
 
 
 def _cell(text: str) -> str:

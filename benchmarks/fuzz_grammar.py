@@ -8,7 +8,9 @@ module a defect report prints.
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 # Each element's choices, most common first; the first is the simplest (what shrinking tries).
@@ -245,12 +247,21 @@ def _length_class(length: int) -> str:
     return "even" if length % 2 == 0 else "odd"
 
 
-def shrink_candidates(spec: Spec) -> list[Spec]:
-    """Specs one step simpler than ``spec``: one element at its simplest choice, or a smaller batch, sp or
-    length (each normalized; those equal to ``spec`` left out)."""
-    candidates = [spec.with_choice(element, choice) for element, choice in DROPPED.items()]
-    candidates += [spec.with_choice(element, options[0]) for element, options in ELEMENTS.items()]
-    candidates += [replace(spec, batch=b) for b in (1, 2) if b < spec.batch]
-    candidates += [normalized(replace(spec, sp=2))] if spec.sp > 2 else []
-    candidates += [replace(spec, length=n) for n in (2 * spec.sp, 2 * spec.sp + 1) if n < spec.length]
-    return list(dict.fromkeys(c for c in candidates if c != spec))
+def shrink_moves() -> list[Callable[[Spec], Spec]]:
+    """Each way to make a spec one step simpler: one element left out or at its simplest choice, a batch
+    of 1, sp 2, the shortest length (each result normalized)."""
+    moves: list[Callable[[Spec], Spec]] = [
+        functools.partial(Spec.with_choice, element=element, choice=choice)
+        for element, choice in DROPPED.items()
+    ]
+    moves += [
+        functools.partial(Spec.with_choice, element=element, choice=options[0])
+        for element, options in ELEMENTS.items()
+    ]
+    moves += [
+        lambda spec: replace(spec, batch=1),
+        lambda spec: normalized(replace(spec, sp=2)),
+        lambda spec: replace(spec, length=2 * spec.sp),
+        lambda spec: replace(spec, length=2 * spec.sp + 1),
+    ]
+    return moves
