@@ -254,9 +254,10 @@ def shrink_moves() -> list[Callable[[Spec], Spec]]:
         functools.partial(Spec.with_choice, element=element, choice=choice)
         for element, choice in DROPPED.items()
     ]
-    moves += [
+    moves += [  # where an element can be left out, that is simpler than its simplest choice
         functools.partial(Spec.with_choice, element=element, choice=options[0])
         for element, options in ELEMENTS.items()
+        if element not in DROPPED
     ]
     moves += [
         lambda spec: replace(spec, batch=1),
