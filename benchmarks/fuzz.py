@@ -170,6 +170,30 @@ def run(seeds: list[int], log: Callable[[str], None] = print, minutes: float | N
     return cases
 
 
+def covering_seeds(run_seed: int, pool: int, count: int, max_cost: int = 4) -> list[int]:
+    """``count`` case seeds among the first ``pool`` of a run, picked greedily to cover every choice of
+    every element (as ``coverage`` counts them), then again, cheapest (smallest sp) first among equals,
+    among the cases of at most ``max_cost`` (sp times layers): how the CI slice
+    (tests/unit/test_fuzz_slice.py) was chosen."""
+
+    def covered(spec: Spec) -> set[tuple[str, str]]:
+        used = {**spec.used(), "sp": str(spec.sp), "batch": str(spec.batch), "length": spec.length_class}
+        return set(used.items())
+
+    seeds = [case_seed(run_seed, i) for i in range(pool)]
+    # a case costs a Dynamo trace per rank, about as long as its layers
+    cheap = [seed for seed in seeds if spec_of(seed).sp * int(spec_of(seed)["layers"]) <= max_cost]
+    candidates = {seed: covered(spec_of(seed)) for seed in cheap}
+    every = set().union(*candidates.values())
+    picked: list[int] = []
+    missing = set(every)
+    while candidates and len(picked) < count:
+        best = max(candidates, key=lambda seed: (len(candidates[seed] & missing), -spec_of(seed).sp))
+        picked.append(best)
+        missing = (missing - candidates.pop(best)) or set(every)  # all covered: another round
+    return picked
+
+
 # --------------------------------------------------------------------------------------------------
 # the report
 
