@@ -194,6 +194,23 @@ def covering_seeds(run_seed: int, pool: int, count: int, max_cost: int = 4) -> l
     return picked
 
 
+LOG_LINE = re.compile(r"^\[(\d+)/(\d+)\] seed (\d+): (exact|refused|DEFECT)(?: \((.*)\))? in ([\d.]+)s \|")
+
+
+def cases_from_log(path: Path) -> tuple[list[Case], int]:
+    """The cases a run logged (``run``'s lines) and how many it planned, to report a run again (with
+    another shrink budget) without running its cases again; the outcomes keep only verdict and reason."""
+    cases, planned = [], 0
+    for line in path.read_text().splitlines():
+        match = LOG_LINE.match(line)
+        if match:
+            _, total, seed, verdict, reason, seconds = match.groups()
+            planned = int(total)
+            outcome = Outcome(verdict, reason or "", reason or "")
+            cases.append(Case(int(seed), spec_of(int(seed)), outcome, float(seconds)))
+    return cases, planned
+
+
 # --------------------------------------------------------------------------------------------------
 # the report
 
@@ -315,14 +332,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shrink-budget", type=int, default=40, help="tries per defect while shrinking")
     parser.add_argument("--minutes", type=float, default=None, help="start no case after this long")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the models are tiny)")
+    parser.add_argument("--from-log", type=Path, default=None, help="report the cases this run's log lists")
+    parser.add_argument("--command", default=None, help="with --from-log: the command that wrote the log")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    seeds = [args.case] if args.case is not None else [case_seed(args.seed, i) for i in range(args.cases)]
-    start = time.perf_counter()
-    cases = run(seeds, minutes=args.minutes)
-    seconds = time.perf_counter() - start
     command = "python -m benchmarks.fuzz " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = report(cases, len(seeds), command, seconds, args.shrink_budget)
+    if args.from_log is not None:
+        cases, planned = cases_from_log(args.from_log)
+        seconds, command = sum(case.seconds for case in cases), args.command or command
+    else:
+        seeds = [args.case] if args.case is not None else [case_seed(args.seed, i) for i in range(args.cases)]
+        start = time.perf_counter()
+        cases, planned = run(seeds, minutes=args.minutes), len(seeds)
+        seconds = time.perf_counter() - start
+    text = report(cases, planned, command, seconds, args.shrink_budget)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

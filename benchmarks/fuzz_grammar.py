@@ -248,11 +248,13 @@ def _length_class(length: int) -> str:
 
 
 def shrink_moves() -> list[Callable[[Spec], Spec]]:
-    """Each way to make a spec one step simpler: one element left out or at its simplest choice, a batch
-    of 1, sp 2, the shortest length (each result normalized)."""
+    """Each way to make a spec one step simpler: a batch of 1, sp 2, the shortest length (first: they make
+    every later try cheaper), one element at its simplest choice or left out (each result normalized)."""
     moves: list[Callable[[Spec], Spec]] = [
-        functools.partial(Spec.with_choice, element=element, choice=choice)
-        for element, choice in DROPPED.items()
+        lambda spec: replace(spec, batch=1),
+        lambda spec: normalized(replace(spec, sp=2)),
+        lambda spec: replace(spec, length=2 * spec.sp),
+        lambda spec: replace(spec, length=2 * spec.sp + 1),
     ]
     moves += [  # where an element can be left out, that is simpler than its simplest choice
         functools.partial(Spec.with_choice, element=element, choice=options[0])
@@ -260,9 +262,7 @@ def shrink_moves() -> list[Callable[[Spec], Spec]]:
         if element not in DROPPED
     ]
     moves += [
-        lambda spec: replace(spec, batch=1),
-        lambda spec: normalized(replace(spec, sp=2)),
-        lambda spec: replace(spec, length=2 * spec.sp),
-        lambda spec: replace(spec, length=2 * spec.sp + 1),
+        functools.partial(Spec.with_choice, element=element, choice=choice)
+        for element, choice in DROPPED.items()
     ]
     return moves
