@@ -162,9 +162,9 @@ def run(seeds: list[int], log: Callable[[str], None] = print, minutes: float | N
             log(f"stopped after {number - 1} of {len(seeds)} cases: --minutes {minutes} spent")
             break
         spec = spec_of(seed)
-        start = time.perf_counter()
+        case_start = time.perf_counter()
         outcome = _guarded(spec, seed)
-        cases.append(Case(seed, spec, outcome, time.perf_counter() - start))
+        cases.append(Case(seed, spec, outcome, time.perf_counter() - case_start))
         mark = outcome.verdict + (f" ({outcome.reason})" if outcome.reason else "")
         log(f"[{number}/{len(seeds)}] seed {seed}: {mark} in {cases[-1].seconds:.1f}s | {spec.describe()}")
     return cases
