@@ -22,6 +22,7 @@ from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, set_fake_value, with_sizes
+from lightning_autosp.compiler.plan import SequenceParallelRefusal
 from lightning_autosp.compiler.recompute import take_owned
 
 
@@ -121,7 +122,7 @@ def _number(analysis: Analysis, ctx: SPContext, expr: sympy.Expr, as_value: bool
     (symbol,) = symbols.symbols_of(expr) & set(analysis.lengths) or {None}
     scale, rest = _affine(expr, symbol)
     if scale is None or (scale and rest % scale):
-        raise NotImplementedError(
+        raise SequenceParallelRefusal(
             f"A shape {expr} computed from the sequence length is not a multiple of a length "
             "(a * (T + c)); the SP pass cannot tell this rank's part of it. Use -1 in views."
         )
