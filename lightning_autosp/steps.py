@@ -203,7 +203,9 @@ class CompiledSteps:
             for index, report in enumerate(backend.reports):
                 lines.append(f"graph {index} ({layout}):")
                 lines.extend(f"  {line}" for line in report.lines())
-            lines.extend(f"{report.line()}" for report in backend.sac_reports)
+            # one partition per compiled graph, in compile order: say which graph each SAC line is about
+            sac = backend.sac_reports
+            lines.extend(f"graph {index}: {report.line()}" for index, report in enumerate(sac))
             lines.extend(line for report in backend.loss_reports for line in report.lines())
         return "\n".join(lines) if lines else "Nothing compiled yet."
 
