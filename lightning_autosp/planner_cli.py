@@ -8,7 +8,9 @@ imported draws runpy's warning that it may behave unpredictably."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from lightning_autosp.fsdp import FSDPGather
 from lightning_autosp.planner import (
@@ -20,6 +22,7 @@ from lightning_autosp.planner import (
     a2a_bytes_per_step,
     as_tokens,
     in_gib,
+    model_shape,
     plan,
     ring_bytes_per_step,
 )
@@ -96,6 +99,27 @@ def readme_table(
     return "\n".join(lines)
 
 
+PRESETS = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}
+
+
+def model_to_plan(model: str, sizes: str = "") -> ModelShape:
+    """``--model``: a preset, a config.json's path, or a transformers model type with ``sizes`` changed."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if Path(model).is_file():
+        return model_shape(json.loads(Path(model).read_text()))
+    from transformers import AutoConfig
+
+    fields = dict(item.split("=", 1) for item in sizes.split(",") if item)
+    try:
+        config = AutoConfig.for_model(model, **{key: int(value) for key, value in fields.items()})
+    except ValueError as error:
+        raise SystemExit(
+            f"--model {model!r} is not 8b, 70b, a config.json file, or a transformers model type ({error})"
+        ) from None
+    return model_shape(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Per-rank memory plan for AutoSPStrategy: for every sp size, SAC on and off, and "
@@ -115,7 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="per_use",
         help="AutoSPStrategy's fsdp_gather: gather each parameter where it is used, or all of it per step",
     )
-    parser.add_argument("--model", choices=("8b", "70b"), default="8b", help="Llama 3.1 shape to plan")
+    parser.add_argument(
+        "--model",
+        default="8b",
+        help="the model to plan: 8b or 70b (Llama 3.1), a transformers config.json, or a transformers model "
+        "type (llama, qwen3, mistral, ...) whose default config --sizes changes",
+    )
+    parser.add_argument(
+        "--sizes",
+        default="",
+        help="config fields for a model type, comma-separated: hidden_size=4096,num_hidden_layers=32",
+    )
     parser.add_argument("--seq-len", type=int, default=2**17, help="tokens per sequence (the whole sequence)")
     parser.add_argument("--devices", type=int, default=8, help="GPUs in the job (sp x dp); 8 per node")
     parser.add_argument(
@@ -144,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.table:
         print(readme_table(fsdp_gather=args.fsdp_gather, ulysses_degree=args.ulysses_degree))
         return
-    shape = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}[args.model]
+    shape = model_to_plan(args.model, args.sizes)
     result = plan(
         shape,
         args.seq_len,

@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,11 +20,12 @@ import lightning.pytorch as pl
 import torch
 import torch._functorch.config
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch._dynamo.exc import FailOnRecompileLimitHit
+from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 from torch._dynamo.utils import counters, guard_failures
 
 from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mode, frames_not_compiled
 from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.plan import SequenceParallelRefusal
 from lightning_autosp.data import LengthClass, SequenceShard
 
 # What one compiled graph serves: a length class (every length with the same remainder over the sp
@@ -137,7 +139,9 @@ class CompiledSteps:
             region = self.region_of(name, shard)
             self._seen[region][shard] = None
             first_call, graphs_before = region not in compiled, len(backend.reports)
+            started = time.perf_counter()
             if first_call:
+                rank_zero_info(f"AutoSP: compiling {name} ({_region_description(region)})")
                 compiled[region] = torch.compile(
                     step,
                     backend=backend,
@@ -152,8 +156,15 @@ class CompiledSteps:
                     output = compiled[region](*args, **kwargs)
                 except FailOnRecompileLimitHit as error:
                     raise RuntimeError(_recompile_limit_message(name, step, region)) from error
+                except BackendCompilerFailed as error:
+                    # The refusal is the message: Dynamo's wrapper and its advice on its own logs are noise.
+                    if isinstance(error.inner_exception, SequenceParallelRefusal):
+                        raise error.inner_exception.with_traceback(None) from None
+                    raise
             if counters["frames"]["ok"] > frames_before:
                 self._count_compile(name, step, region)
+                seconds = time.perf_counter() - started
+                rank_zero_info(f"AutoSP: compiled {name} ({_region_description(region)}) in {seconds:.1f} s")
                 one_length = [r.one_length for r in backend.reports[graphs_before:] if r.one_length]
                 if isinstance(region, LengthClass) and one_length:
                     self._per_length[name] = one_length[0]  # the next length gets a region of its own
@@ -192,7 +203,9 @@ class CompiledSteps:
             for index, report in enumerate(backend.reports):
                 lines.append(f"graph {index} ({layout}):")
                 lines.extend(f"  {line}" for line in report.lines())
-            lines.extend(f"{report.line()}" for report in backend.sac_reports)
+            # one partition per compiled graph, in compile order: say which graph each SAC line is about
+            sac = backend.sac_reports
+            lines.extend(f"graph {index}: {report.line()}" for index, report in enumerate(sac))
             lines.extend(line for report in backend.loss_reports for line in report.lines())
         return "\n".join(lines) if lines else "Nothing compiled yet."
 

@@ -59,7 +59,7 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import find_flash_attention
 from lightning_autosp.compiler.fx_utils import flatten, meta_value
 from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag, shard
-from lightning_autosp.compiler.plan import Plan, Redistribution, Refusal
+from lightning_autosp.compiler.plan import Plan, Redistribution, Refusal, SequenceParallelRefusal
 from lightning_autosp.compiler.rules import dispatch, rule_for
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class Analysis:
             # A branch on the length is the cause of whatever else looks wrong at this rank's length.
             ordered = sorted(self.refusals, key=lambda refusal: refusal.node is not None)
             listed = "\n".join(dict.fromkeys(str(refusal) for refusal in ordered))
-            raise NotImplementedError(
+            raise SequenceParallelRefusal(
                 "The SP pass cannot prove this training step exact under sequence parallelism, so it refuses "
                 f"to run it (it never trains silently wrong):\n{listed}"
             )

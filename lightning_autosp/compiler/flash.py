@@ -24,6 +24,7 @@ from torch import fx
 
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import example_value
+from lightning_autosp.compiler.plan import SequenceParallelRefusal
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ Refuse = Callable[[fx.Node, str, str], object]
 
 
 def _raise(node: fx.Node, reason: str, fix: str) -> None:
-    raise NotImplementedError(f"{node.name}: {reason}. {fix}")
+    raise SequenceParallelRefusal(f"{node.name}: {reason}. {fix}")
 
 
 def find_flash_attention(gm: fx.GraphModule, refuse: Refuse = _raise) -> list[FlashMatch]:

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, example_value, meta_value
 from lightning_autosp.compiler.layout import CAUSAL, REPLICATE, Tag, global_
+from lightning_autosp.compiler.plan import SequenceParallelRefusal
 from lightning_autosp.compiler.recompute import GlobalCopier, _nodes_in
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def attention_mask(
     if layout == REPLICATE or layout.kind == "global":
         return _this_ranks_heads(copier.graph, mask, ctx, heads, attention), is_causal
     if not ctx.shard.is_contiguous and _sharded_inputs(copier, mask):
-        raise NotImplementedError(
+        raise SequenceParallelRefusal(
             f"The attention mask of {attention.name} is computed from per-token data (packed "
             "documents), which is not supported with ring_layout='zigzag' yet. Use "
             "AutoSPStrategy(ring_layout='contiguous')."

@@ -20,6 +20,12 @@ from lightning_autosp.compiler.fx_utils import meta_value, op_name, source_line
 from lightning_autosp.compiler.layout import Layout
 
 
+class SequenceParallelRefusal(NotImplementedError):
+    """The SP pass cannot prove a step exact under sequence parallelism, so it refuses to run it: the message
+    lists each op with the user's source line and a fix. Raised on every rank alike, before any collective
+    of the step (Note [Ranks agree on their graphs]); a NotImplementedError, as an unsupported program is."""
+
+
 @dataclass(frozen=True)
 class Refusal:
     node: fx.Node | None

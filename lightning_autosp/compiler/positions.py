@@ -22,6 +22,7 @@ from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, set_fake_value, with_sizes
+from lightning_autosp.compiler.plan import SequenceParallelRefusal
 from lightning_autosp.compiler.recompute import take_owned
 
 
@@ -40,14 +41,15 @@ def positions_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, repor
             start, stop = runs[0]
             node.args, node.kwargs = with_sizes(graph, (start, stop)), kwargs
             set_fake_value(node)
-            report.append(f"{node.name}: arange({length}) on this rank -> arange({start}, {stop})")
+            report.append(f"{node.name}: {_positions(first, length)} -> [{_at(start)}, {_at(stop)})")
             continue
         with graph.inserting_before(node):
             pieces = [call(graph, torch.arange, run, kwargs) for run in runs]
             positions = call(graph, torch.cat, (pieces,))
         node.replace_all_uses_with(positions)
         graph.erase_node(node)
-        report.append(f"{node.name}: arange({length}) on this rank -> positions {runs}")
+        pieces_text = ", ".join(f"[{_at(start)}, {_at(stop)})" for start, stop in runs)
+        report.append(f"{node.name}: {_positions(first, length)} -> {pieces_text}")
     for node in analysis.plan.tables:
         if node not in graph.nodes or not node.users:
             continue
@@ -60,7 +62,17 @@ def positions_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, repor
                 rows = call(graph, operator.getitem, (rows, rest))
         node.replace_all_uses_with(rows)
         graph.erase_node(node)
-        report.append(f"{node.name}: {table.name}[:{length}] -> its rows at this rank's positions")
+        report.append(f"{node.name}: {table.name}[:{_at(length)}] -> its rows at this rank's positions")
+
+
+def _at(size: object) -> int:
+    """A size as a number of tokens, at the length traced (explain() speaks in lengths, not symbols)."""
+    return symbols.concrete(size)
+
+
+def _positions(first: int, length: object) -> str:
+    """What a position ``arange`` computes on one device, in tokens at the traced length."""
+    return f"positions {first} to {first + _at(length) - 1} of the sequence, this rank's"
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:
@@ -121,7 +133,7 @@ def _number(analysis: Analysis, ctx: SPContext, expr: sympy.Expr, as_value: bool
     (symbol,) = symbols.symbols_of(expr) & set(analysis.lengths) or {None}
     scale, rest = _affine(expr, symbol)
     if scale is None or (scale and rest % scale):
-        raise NotImplementedError(
+        raise SequenceParallelRefusal(
             f"A shape {expr} computed from the sequence length is not a multiple of a length "
             "(a * (T + c)); the SP pass cannot tell this rank's part of it. Use -1 in views."
         )

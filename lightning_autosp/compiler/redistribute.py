@@ -35,7 +35,12 @@ from lightning_autosp.compiler import ops
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import bind, call, meta_value, op_name, source_line, with_sizes
-from lightning_autosp.compiler.plan import ConvolutionWindow, Redistribution, TokenInsertion
+from lightning_autosp.compiler.plan import (
+    ConvolutionWindow,
+    Redistribution,
+    SequenceParallelRefusal,
+    TokenInsertion,
+)
 from lightning_autosp.compiler.recompute import GlobalCopier
 from lightning_autosp.compiler.rules.products import conv_signature
 
@@ -107,7 +112,7 @@ def _window_convolution(
     owned = ctx.shard.owned_ranges(out_length)
     for rank, (first, stop) in enumerate(owned):
         if stop - first <= 0:
-            raise NotImplementedError(
+            raise SequenceParallelRefusal(
                 f"{node.name}: the convolution's {out_length} output positions leave rank {rank} none; use "
                 "longer sequences or a smaller sp_size."
             )

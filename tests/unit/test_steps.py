@@ -6,12 +6,15 @@ pass."""
 from __future__ import annotations
 
 import collections
+import logging
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from lightning_autosp.compiler.backend import AutoSPBackend
+from lightning_autosp.compiler.plan import SequenceParallelRefusal
 from lightning_autosp.data import SequenceShard
 from lightning_autosp.steps import RECOMPILES_PER_LAYOUT, CompiledSteps, check_sequence_parallel_applied
 
@@ -114,3 +117,36 @@ def test_length_classes_of_the_balanced_layout() -> None:
     assert SequenceShard.balanced(9, 2, 0).length_class != SequenceShard.balanced(10, 2, 0).length_class
     assert str(SequenceShard.balanced(10, 4, 3).length_class) == "every length = 2 mod 4"
     assert SequenceShard.for_ring(16, 4, 0, ring_degree=2).length_class is None  # zigzag: per length
+
+
+class RefusingBackend(AutoSPBackend):
+    """A backend whose pass refuses every graph, as the SP pass refuses one it cannot prove exact."""
+
+    def __call__(self, gm, example_inputs):
+        raise SequenceParallelRefusal(
+            "The SP pass cannot prove this training step exact:\n- sort at model.py:3"
+        )
+
+
+def test_a_refusal_reaches_the_user_as_itself_and_each_compile_is_announced(caplog) -> None:
+    """Dynamo wraps a backend's error in BackendCompilerFailed with advice on its own logging: a refusal is
+    raised as the project's own exception, its message first; and rank 0 says what compiles and how long
+    it took (the first step's cost is otherwise a silent wait)."""
+    model, steps = _compiled_steps()
+    step = steps.compiled("training_step", model.training_step)
+    with caplog.at_level(logging.INFO):
+        step(torch.randn(2, 4), 0)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("AutoSP: compiling training_step") for m in messages), messages
+    assert any(re.match(r"AutoSP: compiled training_step \(.*\) in [\d.]+ s", m) for m in messages), messages
+    torch._dynamo.reset()
+    steps = CompiledSteps(
+        lambda _: RefusingBackend(None, compiler="aot_eager"), lambda shard: None, lambda: None
+    )
+    step = steps.compiled("training_step", model.training_step)
+    with pytest.raises(SequenceParallelRefusal) as refusal:
+        step(torch.randn(2, 4), 0)
+    assert str(refusal.value).startswith("The SP pass cannot prove") and "TORCHDYNAMO" not in str(
+        refusal.value
+    )
+    assert refusal.value.__cause__ is None and refusal.value.__suppress_context__
