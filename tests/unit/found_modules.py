@@ -12,6 +12,22 @@ from torch import nn
 from tests.distributed.modules import VOCAB
 
 
+class CausalBlock(nn.Module):
+    """One causal SDPA attention block, as the fuzzer's modules write it (heads from a fused projection)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
 class LengthAsFloat(nn.Module):
     """A pooled head that divides by the length as a float: ``1.0 / T``, ``float(T)``, ``math.sqrt(T)``
     are SymFloats in Dynamo's graph, which the pass took for this rank's count (silently wrong before)."""
@@ -110,18 +126,13 @@ class PooledAttention(nn.Module):
 
     def __init__(self, pooling: str, heads: int = 12, dim: int = 24) -> None:
         super().__init__()
-        self.pooling, self.heads = pooling, heads
+        self.pooling = pooling
         self.embed = nn.Embedding(VOCAB, dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.block = CausalBlock(dim, heads)
         self.head = nn.Linear(dim, 3 if pooling == "max" else 2)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        x = self.embed(batch["input_ids"])
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, 2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = self.block(self.embed(batch["input_ids"]))
         if self.pooling == "max":
             return F.cross_entropy(self.head(x.max(dim=1).values), batch["cls"])
         logits = self.head(x[:, -1:].squeeze(1))
@@ -135,26 +146,22 @@ class StepIdioms(nn.Module):
 
     def __init__(self, idiom: str, heads: int = 4, dim: int = 16) -> None:
         super().__init__()
-        self.idiom, self.heads = idiom, heads
+        self.idiom = idiom
         self.embed = nn.Embedding(VOCAB, dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.block = CausalBlock(dim, heads)
         self.head = nn.Linear(dim, 3)
         half = dim // heads // 2
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(half).float() / half), persistent=False)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         x = self.embed(batch["input_ids"])
-        B, T, C = x.shape
+        T, C = x.shape[1:]
         if self.idiom == "rotary_in_step":
             angles = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
             x = x + torch.cat([angles.cos(), angles.sin()] * (C // (2 * angles.shape[1])), dim=-1)
         elif self.idiom == "running_mean":
             x = x.cumsum(1) / torch.arange(1, T + 1)[None, :, None]
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, 2))
-        x = self.proj(
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        )
+        x = self.block(x)
         if self.idiom == "last_slice":
             pooled = x[:, -1:].squeeze(1)
         else:
