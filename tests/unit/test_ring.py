@@ -280,7 +280,8 @@ def test_attention_is_lowered_to_all_to_all_then_ring() -> None:
     seq_lens, ulysses_rank, group = nodes_with_target(gm, SEQ_TO_HEAD_PACKED)[0].args[-3:]
     assert (seq_lens, ulysses_rank, group) == ([5, 5, 4, 4], 1, "ulysses_group")
     assert nodes_with_target(gm, collectives.fetch_rows)  # the label shift crosses ranges
-    assert any(line.endswith("this rank's -> [5, 9), [27, 28)") for line in report.positions), report.positions
+    ranges = "this rank's -> [5, 9), [27, 28)"
+    assert any(line.endswith(ranges) for line in report.positions), report.positions
     fake_propagate(gm, example_inputs)
     assert fake_shape(next(iter(rings[0].users))) == (
         2,
