@@ -31,6 +31,7 @@ from torch import fx
 
 from lightning_autosp.compiler.fx_utils import example_value
 from lightning_autosp.compiler.ops import collective_name, is_collective, process_group
+from lightning_autosp.compiler.plan import SequenceParallelRefusal
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ def _difference(first: tuple[str, ...], other: tuple[str, ...], rank: int) -> st
 
 
 def _error(error_type: str, message: str) -> Exception:
-    return {"ValueError": ValueError, "RuntimeError": RuntimeError}.get(error_type, NotImplementedError)(
+    """The error every rank raises: a configuration error as itself, anything the pass could not prove as a
+    refusal (the type steps.py hands to the user without Dynamo's wrapper)."""
+    return {"ValueError": ValueError, "RuntimeError": RuntimeError}.get(error_type, SequenceParallelRefusal)(
         message
     )
