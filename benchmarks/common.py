@@ -31,6 +31,25 @@ MiB = 2**20
 # --------------------------------------------------------------------------------------------------
 # launcher
 
+# What a launcher tells its workers. A benchmark started from a process that holds some of these (a test
+# worker in which Lightning ran, a torchrun job) would otherwise take itself for one of our workers.
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def is_bench_worker() -> bool:
+    """Whether this process is a worker that ``relaunch_under_torchrun`` started (not merely one that
+    inherited a rank from whoever started it)."""
+    return "LOCAL_RANK" in os.environ and "AUTOSP_BENCH_ARGV" in os.environ
+
 
 def relaunch_under_torchrun(module: str, argv: list[str], *, nproc: int, threads: int, command: str) -> int:
     """Run ``python -m module argv`` as ``nproc`` torchrun workers from the repository root; the exit code.
@@ -40,8 +59,13 @@ def relaunch_under_torchrun(module: str, argv: list[str], *, nproc: int, threads
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     # The arguments travel in the environment: torchrun's own parser would claim abbreviations of its
     # options among them (``--nproc`` for ``--nproc-per-node``).
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARIABLES and not k.startswith(("TORCHELASTIC_", "PL_"))
+    }
     env = {
-        **os.environ,
+        **inherited,
         "AUTOSP_BENCH_COMMAND": command,
         "AUTOSP_BENCH_ARGV": json.dumps(argv),
         "OMP_NUM_THREADS": str(threads),
@@ -83,7 +107,7 @@ def launch_or_work(
 ) -> int:
     """From the command line, relaunch ``module`` under torchrun (``launch_and_time``); in a torchrun
     worker, run ``work(args)``. ``args`` carries ``nproc``, ``threads`` and ``out``."""
-    if "LOCAL_RANK" not in os.environ:
+    if not is_bench_worker():
         return launch_and_time(
             module, argv, nproc=args.nproc, threads=args.threads, out=args.out, write_report=write_report
         )
@@ -112,7 +136,7 @@ def render_or_launch(
 
 def worker_argv(argv: list[str]) -> list[str]:
     """The arguments of this worker: those ``relaunch_under_torchrun`` passed on, else ``argv``."""
-    if "LOCAL_RANK" in os.environ and "AUTOSP_BENCH_ARGV" in os.environ:
+    if is_bench_worker():
         return json.loads(os.environ["AUTOSP_BENCH_ARGV"])
     return argv
 

@@ -36,6 +36,7 @@ from benchmarks.common import (
     RESULTS,
     bench_command,
     code_version,
+    is_bench_worker,
     machine_info,
     relaunch_under_torchrun,
     worker_argv,
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = worker_argv(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     command = bench_command("benchmarks.ring", argv)
-    if "LOCAL_RANK" not in os.environ:
+    if not is_bench_worker():
         return relaunch_under_torchrun("benchmarks.ring", argv, nproc=RANKS, threads=1, command=command)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     worker(args, command)

@@ -9,6 +9,7 @@ not run here are recorded with their error instead of stopping the run.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import report as report_module
+from benchmarks.common import LAUNCHER_VARIABLES
 from benchmarks.length_search import next_candidate
 from tests.launch import kill_tree
 
@@ -27,8 +29,14 @@ LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 
 def run_module(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """``python -m <args>`` from the repository root; the whole process tree is killed past ``timeout``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     process = subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         output, _ = process.communicate(timeout=timeout)
