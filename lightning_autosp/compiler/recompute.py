@@ -118,7 +118,8 @@ class GlobalCopier:
         for user in token.users:
             if user.target is _GATHER and user.args[1] == dim:
                 return self._in_sequence_order(user, dim)
-        first = next(n for n in self.graph.nodes if n.op != "placeholder")
+        # After the sizes computed from the length symbols as well: the gather's shard lengths may be some.
+        first = next(n for n in self.graph.nodes if n.op != "placeholder" and "autosp_size" not in n.meta)
         with self.graph.inserting_before(first):
             gathered = call(
                 self.graph, _GATHER, (token, dim, list(self.ctx.shard.seq_lens), self.ctx.group_name)

@@ -167,3 +167,22 @@ class StepIdioms(nn.Module):
         else:
             pooled = x.mean(1, keepdim=True).squeeze(1)
         return F.cross_entropy(self.head(pooled), batch["cls"])
+
+
+class FlippedMaskedMean(nn.Module):
+    """A reversed mixer (``x + linear(x).flip(1)``) pooled by a mean masked with the batch's
+    ``attention_mask``, found by the fuzzer (seed 202606210): the whole-sequence mask was gathered before
+    the size it needs (a shard length in the length symbol) was computed, and the graph failed to lint."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 3)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        x = x + self.mix(x).flip(1)
+        keep = batch["attention_mask"].unsqueeze(-1).to(x.dtype)
+        pooled = (x * keep).sum(dim=1) / keep.sum(dim=1)
+        return F.cross_entropy(self.head(pooled), batch["cls"])

@@ -11,6 +11,7 @@ import torch
 from benchmarks.common import grad_rel_err, rel_err
 from tests.distributed.modules import VOCAB
 from tests.unit.found_modules import (
+    FlippedMaskedMean,
     LengthAsFloat,
     MixtralRouterLoss,
     PairwiseReward,
@@ -36,6 +37,7 @@ CASES = {
     "running_mean": (lambda: StepIdioms("running_mean"), 1),
     "keepdim_mean": (lambda: StepIdioms("keepdim_mean"), 2),
     "last_slice": (lambda: StepIdioms("last_slice"), 1),
+    "flipped_masked_mean": (FlippedMaskedMean, 1),
 }
 THREE_RANKS = ["length_as_float", "pairwise_reward", "max_pooled_attention", "last_position_pairwise"]
 
@@ -45,8 +47,11 @@ def batch_of(batch_size: int, length: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (batch_size, length), generator=generator)
     labels = ids.clone()
     labels[:, :3] = -100
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, -2:] = 0  # the first row padded on the right
     return {
         "input_ids": ids,
+        "attention_mask": attention_mask,
         "labels": labels,
         "cls": torch.randint(0, 3, (batch_size,), generator=generator),
     }
