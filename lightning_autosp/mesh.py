@@ -124,3 +124,14 @@ def build_ring_ulysses_mesh(
             if group is not GroupMember.WORLD:
                 _set_pg_timeout(timeout, group)
     return mesh
+
+
+def ring_group_names(ring_mesh: DeviceMesh | None) -> dict[str, str]:
+    """The names of the Ulysses and ring sub-groups of this rank's sp group, as ``SPContext`` takes them
+    (none without ring attention)."""
+    if ring_mesh is None:
+        return {}
+    return {
+        "ulysses_group_name": ring_mesh.get_group(ULYSSES).group_name,
+        "ring_group_name": ring_mesh.get_group(RING).group_name,
+    }

@@ -54,6 +54,24 @@ def process_group_timeout(timeout: object) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
+def check_hang_timeout(hang_timeout: object) -> float | None:
+    """``hang_timeout`` in seconds, or None (the watch off)."""
+    if hang_timeout is None:
+        return None
+    if isinstance(hang_timeout, timedelta):
+        hang_timeout = hang_timeout.total_seconds()
+    if (
+        not isinstance(hang_timeout, (int, float))
+        or isinstance(hang_timeout, bool)
+        or not (math.isfinite(hang_timeout) and hang_timeout > 0)
+    ):
+        raise ValueError(
+            f"hang_timeout={hang_timeout!r} must be a positive number of seconds (hang_timeout=300), or None "
+            "to turn the hang watch off."
+        )
+    return float(hang_timeout)
+
+
 def check_strategy_arguments(
     *,
     seq_dim: object,

@@ -395,6 +395,18 @@ def check_auto_sp_options(sp_size: object, max_seq_len: object, memory_per_devic
     return auto
 
 
+# Note [Planning sp_size after configure_model]
+#     Lightning sets a strategy up in this order: setup_environment (which calls setup_distributed
+#     and creates the process group), the `setup` hooks, configure_model, then Strategy.setup. A
+#     module built in configure_model (on the meta device or not) does not exist in
+#     setup_distributed, so sp_size="auto" is planned at the start of setup(), from the module's
+#     parameter shapes, meta or real (the planner reads shapes only). The process group is created
+#     as usual, since creating it needs no sp_size; the ("dp", "sp") mesh, which does, is built
+#     right after planning, before anything uses it (the sampler, the compiled steps and the FSDP
+#     mesh all come after setup() starts). Every rank plans from the same module and options, so
+#     all choose alike, or all raise the planner's error before any collective.
+
+
 def auto_sp_size(
     module: nn.Module,
     *,

@@ -41,11 +41,10 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.layout import SequenceTags, Tag
 from lightning_autosp.compiler.layout import shard as shard_layout
 from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, gather_sequence, shard_batch
+from lightning_autosp.hang_watch import DEFAULT_HANG_TIMEOUT_S, HangWatch, enable_flight_recorder
 from lightning_autosp.mesh import (
     DP,
-    RING,
     SP,
-    ULYSSES,
     auto_ulysses_degree,
     build_dp_sp_mesh,
     build_ring_ulysses_mesh,
@@ -54,10 +53,11 @@ from lightning_autosp.mesh import (
     check_ulysses_degree,
     check_ulysses_degree_option,
     find_head_counts,
+    ring_group_names,
 )
 from lightning_autosp.meta_init import has_meta_tensors, materialize
 from lightning_autosp.metrics import MetricsOverShards
-from lightning_autosp.options import check_strategy_arguments, process_group_timeout
+from lightning_autosp.options import check_hang_timeout, check_strategy_arguments, process_group_timeout
 from lightning_autosp.outputs import gather_predictions
 from lightning_autosp.sample_check import check_same_sample
 from lightning_autosp.steps import CompiledSteps
@@ -84,8 +84,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         sp_size: ranks per sequence-parallel group (contiguous ranks). Defaults to the devices per node.
             "auto": the smallest that fits a ``max_seq_len``-token step in ``memory_per_device`` bytes
             (default: the CUDA device's memory), from ``lightning_autosp.planner``, planned in setup()
-            for the module ``configure_model`` built (Note [Planning sp_size after configure_model]);
-            logged, and kept as ``strategy.sp_plan``.
+            for the module ``configure_model`` built (Note [Planning sp_size after configure_model] in
+            ``planner.py``); logged, and kept as ``strategy.sp_plan``.
         ulysses_degree: how much of sp is Ulysses (all-to-all over heads); the rest, sp_size /
             ulysses_degree, is ring attention (K/V blocks passed around). None: all of sp (sp_size must
             divide the heads); "auto": the largest degree dividing sp_size, the q heads (read from the
@@ -120,6 +120,10 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             rank's shard, [B, S_r, V], for outputs too large to gather (``gather_sequence`` gathers one).
         timeout: process-group timeout, in seconds or as a ``timedelta``; a rank that fails leaves the
             others waiting at most this long.
+        hang_timeout: seconds after which ranks that all wait in collectives none can complete (they took
+            different collective paths) end with a report of who waits where, instead of at ``timeout``;
+            a rank compiling or computing is never taken for a hang (Note [Telling a hang from a slow
+            rank] in ``hang_watch.py``). None turns the watch off.
         **ddp_kwargs: passed to ``DistributedDataParallel``.
     """
 
@@ -152,6 +156,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        hang_timeout: float | None = DEFAULT_HANG_TIMEOUT_S,
         start_method: str = "popen",
         **ddp_kwargs: Any,
     ) -> None:
@@ -175,10 +180,13 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             "memory_per_device": memory_per_device,
             "process_group_backend": process_group_backend,
             "timeout": timeout,
+            "hang_timeout": hang_timeout,
             "start_method": start_method,
             **ddp_kwargs,
         }
         timeout = process_group_timeout(timeout)
+        self.hang_timeout = check_hang_timeout(hang_timeout)
+        self._hang_watch: HangWatch | None = None
         check_strategy_arguments(
             seq_dim=seq_dim,
             sequence_keys=sequence_keys,
@@ -307,6 +315,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
+        if self.hang_timeout is not None:
+            enable_flight_recorder()  # read when the process group is created
         super().setup_distributed()
         # An undestroyed gloo group's threads can abort the process at exit (pytorch/pytorch#190489), and
         # Lightning's exit handler is for NCCL only. A group torch holds in C++ outlives it (README: Limits).
@@ -314,17 +324,6 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         atexit.register(_destroy_dist_connection)
         if self._sp_size is not None or not self._auto_sp:
             self._build_dp_sp_mesh()
-
-    # Note [Planning sp_size after configure_model]
-    #     Lightning sets a strategy up in this order: setup_environment (which calls setup_distributed
-    #     and creates the process group), the `setup` hooks, configure_model, then Strategy.setup. A
-    #     module built in configure_model (on the meta device or not) does not exist in
-    #     setup_distributed, so sp_size="auto" is planned at the start of setup(), from the module's
-    #     parameter shapes, meta or real (the planner reads shapes only). The process group is created
-    #     as usual, since creating it needs no sp_size; the ("dp", "sp") mesh, which does, is built
-    #     right after planning, before anything uses it (the sampler, the compiled steps and the FSDP
-    #     mesh all come after setup() starts). Every rank plans from the same module and options, so
-    #     all choose alike, or all raise the planner's error before any collective.
 
     def _build_dp_sp_mesh(self) -> None:
         self._device_mesh = build_dp_sp_mesh(
@@ -411,6 +410,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         # Compile the steps, not the module: the loss written in training_step is then inside the
         # compiled region, and checkpoints keep plain parameter names (no ``_orig_mod``).
         self._setup_ring()
+        if self.hang_timeout is not None and self.world_size > 1 and self._hang_watch is None:
+            self._hang_watch = HangWatch(self.hang_timeout).start()
         self._steps.install(self.lightning_module)
         self._metrics.install(self.lightning_module)
         if self.data_parallel == "fsdp":
@@ -447,6 +448,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
+        self._hang_watch = self._hang_watch and self._hang_watch.stop()
         self._steps.uninstall(module)
         self._metrics.uninstall()
         if self.data_parallel == "fsdp" or (module is not None and has_meta_tensors(module)):
@@ -524,12 +526,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         return self._steps.compiles
 
     def _sp_context(self, shard: SequenceShard) -> SPContext:
-        ring = {}
-        if self._ring_mesh is not None:
-            ring = {
-                "ulysses_group_name": self._ring_mesh.get_group(ULYSSES).group_name,
-                "ring_group_name": self._ring_mesh.get_group(RING).group_name,
-            }
+        ring = ring_group_names(self._ring_mesh)
         return SPContext(shard, self.device_mesh.get_group(SP).group_name, self.seq_dim, **ring)
 
     def _backend(self, context: SPContext | None) -> AutoSPBackend:

@@ -10,6 +10,12 @@ collectives):
 - ``raise``: raise ``RuntimeError(MESSAGE)``; the process exits with the error.
 - ``wedge``: stop forever without exiting (a rank stuck in I/O or a deadlock); its peers must give up
   after ``timeout`` instead of waiting for the default 30 minutes.
+- ``diverge``: make one collective more than their peers (an all-reduce of the world group), so every
+  rank ends up waiting in a different collective; the strategy's hang watch (``--hang-timeout``) must
+  end every rank with its report.
+- ``slow_compile``: take ``SLOW_COMPILE_S`` longer than their peers to compile the first step (a sleep
+  at the start of the first Dynamo compile on those ranks), while the peers wait for them in collectives;
+  the hang watch must not take that for a hang, and the job trains to the end.
 
 A rank that leaves ``trainer.fit`` with an exception prints ``AUTOSP_FAULT rank=<r> after=<s>s
 <type>: <message>`` to stderr (``after``: seconds since it entered the failing step) and exits 1.
@@ -35,6 +41,7 @@ from tests.distributed.modules import VOCAB, GPTModule  # noqa: E402
 
 MESSAGE = "injected failure on rank {rank} at step 2"
 FAULT_STEP = 2
+SLOW_COMPILE_S = 45.0
 _fault_started: list[float] = []
 
 
@@ -47,6 +54,9 @@ def inject(rank: int, batch_idx: int, fault: str, ranks: list[int]) -> None:
         return
     if fault == "raise":
         raise RuntimeError(MESSAGE.format(rank=rank))
+    if fault == "diverge":
+        torch.distributed.all_reduce(torch.ones(1))  # only these ranks: the others are in backward's
+        return
     deadline = time.monotonic() + 300  # bounded, so that a job the harness failed to kill ends anyway
     while time.monotonic() < deadline:  # wedged: alive, never reaching the next collective
         time.sleep(1)
@@ -61,7 +71,8 @@ class FaultyGPT(GPTModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
         logits = self.model(ids)  # all-to-alls: every healthy rank is inside the step's collectives
-        inject(self.global_rank, batch_idx, self.fault, self.fault_ranks)
+        if self.fault != "slow_compile":
+            inject(self.global_rank, batch_idx, self.fault, self.fault_ranks)
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
     def configure_optimizers(self):
@@ -70,12 +81,19 @@ class FaultyGPT(GPTModule):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=("raise", "wedge"), required=True)
+    parser.add_argument("--fault", choices=("raise", "wedge", "diverge", "slow_compile"), required=True)
     parser.add_argument("--ranks", type=int, nargs="+", required=True)
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--sp-size", type=int, default=2)
+    parser.add_argument("--hang-timeout", type=float, default=None, help="default: the strategy's")
     args = parser.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if args.fault == "slow_compile" and rank in args.ranks:
+        slept: list[bool] = []
+        torch._dynamo.callback.callback_handler.register_start_callback(
+            lambda _: slept or slept.append(True) or time.sleep(SLOW_COMPILE_S)
+        )
+    hang = {} if args.hang_timeout is None else {"hang_timeout": args.hang_timeout}
 
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (16, 24), generator=torch.Generator().manual_seed(0))
@@ -84,7 +102,7 @@ def main() -> None:
         accelerator="cpu",
         devices=world,
         strategy=AutoSPStrategy(
-            sp_size=args.sp_size, compiler="aot_eager", timeout=timedelta(seconds=args.timeout)
+            sp_size=args.sp_size, compiler="aot_eager", timeout=timedelta(seconds=args.timeout), **hang
         ),
         max_steps=6,
         logger=False,

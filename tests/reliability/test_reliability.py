@@ -1,7 +1,8 @@
 """Reliability: failing ranks, bad input, checkpoints, evaluation, numerics and a property test.
 
-Three ``torchrun`` launches: a rank that raises mid-step (2 ranks), ranks that wedge (4 ranks, dp=2 x
-sp=2; see ``fault_worker.py``), and one 2-rank launch of ``checks_worker.py`` that runs every other check
+Five ``torchrun`` launches: a rank that raises mid-step (2 ranks), ranks that wedge (4 ranks, dp=2 x
+sp=2; see ``fault_worker.py``), ranks that take different collective paths and a rank that compiles late
+(2 ranks each, the hang watch), and one 2-rank launch of ``checks_worker.py`` that runs every other check
 and records what each rank saw, asserted here one test per property.
 """
 
@@ -71,6 +72,39 @@ def test_peers_of_a_wedged_rank_give_up_after_the_strategy_timeout():
         # A lower bound only: it waited in the wedged step, for at least most of the timeout.
         assert float(found.group(1)) >= timeout * 0.8, found.group(0)
     assert any(timed_out), stderr[-6000:]
+
+
+@pytest.mark.timeout(JOB_HANG_GUARD_S + 60)
+def test_ranks_that_took_different_collective_paths_end_with_a_report_of_who_waits_where():
+    # Rank 0 makes one all-reduce more than rank 1 at step 2: rank 0 waits in it, rank 1 in the step's
+    # own collectives. The process group's timeout (600 s) would end them after 10 minutes with gloo's
+    # "Timed out"; the hang watch (hang_timeout=10) must end both within about a minute of the hang, each
+    # naming the collective every rank waits in and the line that called the odd one.
+    args = ["--fault", "diverge", "--ranks", "0", "--timeout", "600", "--hang-timeout", "10"]
+    code, stderr, _ = torchrun(2, HERE / "fault_worker.py", *args, timeout=JOB_HANG_GUARD_S)
+    assert code != 0
+    assert "AUTOSP_FINISHED" not in stderr and "Timed out" not in stderr, stderr[-6000:]
+    for rank in (0, 1):
+        found = re.search(
+            rf"\[rank {rank}\] AutoSP: every rank has waited in a collective for at least (\d+) s", stderr
+        )
+        assert found, f"rank {rank} printed no report:\n{stderr[-6000:]}"
+        assert 10 <= int(found.group(1)) <= 60, found.group(0)
+    assert re.search(r"rank 0 waits in gloo:all_reduce #\d+ .*fault_worker\.py:\d+ in inject", stderr), (
+        stderr[-6000:]
+    )
+    assert re.search(r"rank 1 waits in gloo:\w+ #\d+", stderr), stderr[-6000:]
+
+
+@pytest.mark.timeout(JOB_HANG_GUARD_S + 60)
+def test_a_rank_that_compiles_long_after_its_peers_is_not_taken_for_a_hang():
+    # Rank 1 starts compiling SLOW_COMPILE_S (45 s) after rank 0, which waits for it in collectives for
+    # more than 4x the hang watch's timeout: the job must train to its end on both ranks.
+    args = ["--fault", "slow_compile", "--ranks", "1", "--timeout", "600", "--hang-timeout", "10"]
+    code, stderr, _ = torchrun(2, HERE / "fault_worker.py", *args, timeout=JOB_HANG_GUARD_S)
+    assert "every rank has waited" not in stderr, stderr[-6000:]
+    assert code == 0, stderr[-6000:]
+    assert stderr.count("AUTOSP_FINISHED") == 2, stderr[-6000:]
 
 
 # --------------------------------------------------------------------------------------------------
