@@ -12,6 +12,11 @@ next call would read). Then two things a model does that hide what its ops do to
   projection it computes (its own SDPA path), which the attention rewrite then handles like any SDPA.
   Unused attention weights (``need_weights``' default) are not computed; used ones keep the call, and the
   analysis refuses it with the fix.
+
+And adaptive pools to a single output (``F.adaptive_avg_pool1d(x, 1)``, ``nn.AdaptiveMaxPool1d(1)``, the
+pooled heads of classifiers) become the mean or maximum over the pooled dims they compute, which the
+reduction rule handles over a sharded sequence; other output sizes keep the call (refused over the
+sequence: their windows follow the whole length).
 """
 
 from __future__ import annotations
@@ -28,6 +33,16 @@ from lightning_autosp.compiler.fx_utils import bind, call, eliminate_dead_code, 
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _REGIONS = ("tag_activation_checkpoint", "wrap")
+# pool -> (its reduction, how many trailing dims it pools)
+_ADAPTIVE_POOLS = {
+    torch.adaptive_avg_pool1d: (torch.mean, 1),
+    F.adaptive_avg_pool1d: (torch.mean, 1),
+    F.adaptive_avg_pool2d: (torch.mean, 2),
+    F.adaptive_avg_pool3d: (torch.mean, 3),
+    F.adaptive_max_pool1d: (torch.amax, 1),
+    F.adaptive_max_pool2d: (torch.amax, 2),
+    F.adaptive_max_pool3d: (torch.amax, 3),
+}
 
 
 @dataclass
@@ -37,6 +52,7 @@ class Normalized:
     checkpoints: list[str] = field(default_factory=list)
     attention_modules: list[str] = field(default_factory=list)
     unread_buffers: list[str] = field(default_factory=list)
+    pools: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = []
@@ -49,6 +65,8 @@ class Normalized:
             out.append(f"nn.MultiheadAttention calls as SDPA: {', '.join(self.attention_modules)}")
         if self.unread_buffers:
             out.append(f"cache buffers written and never read, left out: {', '.join(self.unread_buffers)}")
+        if self.pools:
+            out.append(f"adaptive pools to one output as reductions: {', '.join(self.pools)}")
         return out
 
 
@@ -67,7 +85,13 @@ def normalize_pass(gm: fx.GraphModule) -> Normalized:
             and _spell_out_attention(gm.graph, node)
         ):
             done.attention_modules.append(node.name)
-    if done.checkpoints or done.attention_modules or done.unread_buffers:
+        elif (
+            node.op == "call_function"
+            and node.target in _ADAPTIVE_POOLS
+            and _pool_as_reduction(gm.graph, node)
+        ):
+            done.pools.append(node.name)
+    if done.checkpoints or done.attention_modules or done.unread_buffers or done.pools:
         eliminate_dead_code(gm.graph)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
@@ -182,3 +206,31 @@ def _additive(graph: fx.Graph, mask: object, dtype: torch.dtype) -> object:
         return mask
     zeros = call(graph, torch.zeros_like, (mask,), {"dtype": dtype})
     return call(graph, torch.Tensor.masked_fill, (zeros, mask, float("-inf")))
+
+
+def _is_adaptive_pool(node: fx.Node) -> bool:
+    try:
+        return node.op == "call_function" and node.target in _ADAPTIVE_POOLS
+    except TypeError:  # an unhashable target
+        return False
+
+
+def _pool_as_reduction(graph: fx.Graph, node: fx.Node) -> bool:
+    """An adaptive pool whose every pooled output size is 1 (or None: that dim kept) -> its mean or amax
+    over those dims, ``keepdim=True``. False (the call kept) for other sizes and for max pools' indices."""
+    reduction, pooled = _ADAPTIVE_POOLS[node.target]
+    source = node.args[0]
+    sizes = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
+    sizes = [sizes] * pooled if not isinstance(sizes, (tuple, list)) else list(sizes)
+    returns_indices = node.args[2] if len(node.args) > 2 else node.kwargs.get("return_indices", False)
+    if returns_indices or len(sizes) != pooled or any(size not in (1, None) for size in sizes):
+        return False
+    rank = example_value(source).dim()
+    dims = tuple(rank - pooled + i for i, size in enumerate(sizes) if size == 1)
+    if not dims:
+        return False
+    with graph.inserting_before(node):
+        reduced = call(graph, reduction, (source, dims), {"keepdim": True})
+    node.replace_all_uses_with(reduced)
+    graph.erase_node(node)
+    return True

@@ -45,7 +45,7 @@ def _table() -> dict[str, Rule]:
     add("view_as_complex view_as_real", elementwise.complex_view)
     add("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as ravel", shapes.view)
     add("permute transpose swapaxes swapdims movedim t T mT", shapes.permute)
-    add("expand expand_as broadcast_to repeat", shapes.expand)
+    add("expand expand_as broadcast_to repeat tile", shapes.expand)
     add("getitem", indexing.getitem)
     add("setitem", indexing.setitem)
     add("narrow slice", indexing.narrow)
@@ -85,8 +85,8 @@ def _table() -> dict[str, Rule]:
     add("embedding", products.embedding)
     add("one_hot", products.one_hot)
     add(
-        "sum nansum count_nonzero mean nanmean amax amin max min any all prod std var norm logsumexp argmax "
-        "argmin median mode",
+        "sum nansum count_nonzero mean nanmean amax amin max min any all prod std var norm "
+        "linalg_vector_norm vector_norm logsumexp argmax argmin median mode",
         reductions.reduction,
     )
     add("histc bincount", reductions.histogram)

@@ -209,10 +209,11 @@ def reduction(a, node: fx.Node) -> object:
     source = node.args[0]
     layout = a.layout(source)
     rank = ndim(source)
-    dims_arg = arg(node, 1, "dim") if name not in ("norm",) else arg(node, 2, "dim")
+    dims_after_order = name in ("norm", "linalg_vector_norm", "vector_norm")  # (x, p, dim, keepdim)
+    dims_arg = arg(node, 2 if dims_after_order else 1, "dim")
     if name in ("max", "min") and isinstance(dims_arg, fx.Node):  # max(x, y): elementwise
         return pointwise(a, node)
-    keepdim = bool(arg(node, 2 if name not in ("norm",) else 3, "keepdim", False))
+    keepdim = bool(arg(node, 3 if dims_after_order else 2, "keepdim", False))
     reduced = normalize_dims(dims_arg, rank)
     returns_indices = name in ("max", "min", "median", "mode") and dims_arg is not None
     if layout == PARTIAL:

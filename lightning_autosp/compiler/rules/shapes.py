@@ -201,7 +201,7 @@ def permute(a, node: fx.Node) -> Layout:
 @dispatch.handles_local_order
 @handles_split
 def expand(a, node: fx.Node) -> Layout:
-    """expand / expand_as / broadcast_to / repeat: a new sequence-sized dim repeats one value."""
+    """expand / expand_as / broadcast_to / repeat / tile: a new sequence-sized dim repeats one value."""
     a.shape_use(*node.args[1:], *node.kwargs.values())
     partial = partial_passes(a, node)
     if partial:
@@ -218,16 +218,18 @@ def expand(a, node: fx.Node) -> Layout:
             else a.refuse(node, f"adds dims before the row dim of {layout}", dispatch.FIX)
         )
     if layout.is_split:
-        if name == "repeat":
+        if name in ("repeat", "tile"):
             a.sequence_home(source)
             return expand(a, node)
         a.plan.split_shapes[node] = None
         flat = tuple(d + offset for d in layout.flat)
         return split(layout.split + offset, *(dims | sequence_dims_of_output(a, node)), flat=flat)
-    if name == "repeat":
+    if name in ("repeat", "tile"):
         repeats = [
-            symbols.hint(meta_value(r) if isinstance(r, fx.Node) else r) for r in flatten(list(node.args[1:]))
+            symbols.hint(meta_value(r) if isinstance(r, fx.Node) else r)
+            for r in flatten([*node.args[1:], *node.kwargs.values()])
         ]
+        repeats = [1] * (ndim(node) - len(repeats)) + repeats  # tile's are aligned to the last dims
         if any(repeats[d] != 1 for d in dims if d < len(repeats)):
             return a.refuse(node, "repeats values along the sequence", "Repeat along other dims only")
     dims |= sequence_dims_of_output(a, node)
