@@ -30,7 +30,7 @@ def state(
 
 
 def test_every_rank_waiting_past_the_timeout_is_a_hang_naming_each_ranks_collective():
-    report = hang_report([state(0, 30, op="gloo:all_reduce"), state(1, 20)], 2, NOW, timeout=10)
+    report = hang_report([state(0, 30, op="gloo:all_reduce"), state(1, 20)], 2, NOW, 10)
     assert report is not None
     assert "for at least 20 s (hang_timeout=10 s)" in report
     assert "rank 0 waits in gloo:all_reduce #7 of process group 'sp', called at step.py:10 in step" in report
@@ -48,7 +48,7 @@ def test_every_rank_waiting_past_the_timeout_is_a_hang_naming_each_ranks_collect
     ids=["computing", "compiling", "recent", "unpublished"],
 )
 def test_a_rank_that_is_not_stuck_means_no_hang(states):
-    assert hang_report(states, 2, NOW, timeout=10) is None
+    assert hang_report(states, 2, NOW, 10) is None
 
 
 def test_states_travel_through_the_store_as_json():
