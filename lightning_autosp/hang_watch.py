@@ -15,7 +15,7 @@ Note [Telling a hang from a slow rank]
     Python stack that issued it; whether a rank compiles comes from Dynamo's compile callbacks (start and
     end of every compile, a lazily compiled backward included). Each rank publishes the two every few
     seconds in the c10d store and reads every other rank's; all ranks reach the same verdict from the
-    same records, so every rank reports the same hang. A rank that is found hung logs the report, aborts
+    same records, so every rank reports the same hang. A rank that is found hung prints the report, aborts
     its process groups so that a collective that can be interrupted (NCCL) raises, and, if the collective
     it waits in does not return within a grace period (gloo's cannot be interrupted), exits the process.
 

@@ -85,11 +85,7 @@ def normalize_pass(gm: fx.GraphModule) -> Normalized:
             and _spell_out_attention(gm.graph, node)
         ):
             done.attention_modules.append(node.name)
-        elif (
-            node.op == "call_function"
-            and node.target in _ADAPTIVE_POOLS
-            and _pool_as_reduction(gm.graph, node)
-        ):
+        elif _is_adaptive_pool(node) and _pool_as_reduction(gm.graph, node):
             done.pools.append(node.name)
     if done.checkpoints or done.attention_modules or done.unread_buffers or done.pools:
         eliminate_dead_code(gm.graph)

@@ -7,6 +7,8 @@ have rules are checked against one device."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,29 +203,27 @@ def test_newly_ruled_ops_equal_one_device(idiom: str, batch_size: int, length: i
     assert grad_rel_err(simulated.grads, grads) <= 1e-4
 
 
-def test_tile_along_the_sequence_is_refused() -> None:
-    class TileSequence(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(VOCAB, 8)
+class EmbeddedThen(torch.nn.Module):
+    """Token embeddings, then ``then(embeddings)`` summed: one op over the sequence, for a refusal."""
 
-        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            return self.embed(batch["input_ids"]).tile(1, 2, 1).sum()
+    def __init__(self, then: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.then = then
+        self.embed = torch.nn.Embedding(VOCAB, 8)
 
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.then(self.embed(batch["input_ids"])).sum()
+
+
+@pytest.mark.parametrize(
+    ("then", "refusal"),
+    [
+        (lambda x: x.tile(1, 2, 1), "repeats values along the sequence"),
+        (lambda x: F.adaptive_avg_pool1d(x.transpose(1, 2), 4), "adaptive_avg_pool1d"),
+    ],
+    ids=["tile_along_the_sequence", "adaptive_pool_to_four_outputs"],
+)
+def test_ops_without_an_exact_layout_over_the_sequence_are_refused(then, refusal: str) -> None:
     batch = {"input_ids": torch.randint(0, VOCAB, (1, 23))}
-    with pytest.raises(NotImplementedError, match="repeats values along the sequence"):
-        simulate_step(TileSequence(), batch, 2)
-
-
-def test_an_adaptive_pool_to_several_outputs_over_the_sequence_is_refused() -> None:
-    class PoolToFour(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(VOCAB, 8)
-
-        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            return F.adaptive_avg_pool1d(self.embed(batch["input_ids"]).transpose(1, 2), 4).sum()
-
-    batch = {"input_ids": torch.randint(0, VOCAB, (1, 23))}
-    with pytest.raises(NotImplementedError, match="adaptive_avg_pool1d"):
-        simulate_step(PoolToFour(), batch, 2)
+    with pytest.raises(NotImplementedError, match=refusal):
+        simulate_step(EmbeddedThen(then), batch, 2)
