@@ -57,7 +57,7 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.flash import find_flash_attention
-from lightning_autosp.compiler.fx_utils import flatten, meta_value
+from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name
 from lightning_autosp.compiler.layout import PARTIAL, REFUSED, REPLICATE, Layout, SequenceTags, Tag, shard
 from lightning_autosp.compiler.plan import Plan, Redistribution, Refusal, SequenceParallelRefusal
 from lightning_autosp.compiler.rules import dispatch, rule_for
@@ -445,9 +445,15 @@ class Analysis:
         requires_grad = any(
             isinstance(v, torch.Tensor) and v.requires_grad for v in flatten([meta_value(node)])
         )
+        if op_name(node) in _SHAPE_OPERAND_OPS:  # ``mask.expand_as(x)``: x gives a shape or dtype, no data
+            args = [node.args[0]]
         inputs = [a for a in args if isinstance(a, fx.Node)]
         if not requires_grad and all(a in self.token_data for a in inputs):
             self.token_data.add(node)
+
+
+# Ops whose second operand is read for its shape or dtype only.
+_SHAPE_OPERAND_OPS = frozenset({"expand_as", "view_as", "reshape_as", "type_as"})
 
 
 def _is_scalar(value: object) -> bool:

@@ -17,6 +17,10 @@ And adaptive pools to a single output (``F.adaptive_avg_pool1d(x, 1)``, ``nn.Ada
 pooled heads of classifiers) become the mean or maximum over the pooled dims they compute, which the
 reduction rule handles over a sharded sequence; other output sizes keep the call (refused over the
 sequence: their windows follow the whole length).
+
+And ``masked_scatter``, how vision-language models put image, video and audio features into the sequence
+(Note [Features at placeholders]): it becomes the gather of feature rows it computes, each placeholder's
+row numbered by the placeholders before it, which the rules handle over a sharded sequence.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Normalized:
     attention_modules: list[str] = field(default_factory=list)
     unread_buffers: list[str] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)
+    scatters: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = []
@@ -67,6 +72,9 @@ class Normalized:
             out.append(f"cache buffers written and never read, left out: {', '.join(self.unread_buffers)}")
         if self.pools:
             out.append(f"adaptive pools to one output as reductions: {', '.join(self.pools)}")
+        if self.scatters:
+            scatters = ", ".join(self.scatters)
+            out.append(f"masked_scatter as a gather of feature rows at placeholder numbers: {scatters}")
         return out
 
 
@@ -87,7 +95,9 @@ def normalize_pass(gm: fx.GraphModule) -> Normalized:
             done.attention_modules.append(node.name)
         elif _is_adaptive_pool(node) and _pool_as_reduction(gm.graph, node):
             done.pools.append(node.name)
-    if done.checkpoints or done.attention_modules or done.unread_buffers or done.pools:
+        elif _is_masked_scatter(node) and _scatter_as_gather(gm.graph, node):
+            done.scatters.append(node.name)
+    if any((done.checkpoints, done.attention_modules, done.unread_buffers, done.pools, done.scatters)):
         eliminate_dead_code(gm.graph)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
@@ -228,5 +238,74 @@ def _pool_as_reduction(graph: fx.Graph, node: fx.Node) -> bool:
     with graph.inserting_before(node):
         reduced = call(graph, reduction, (source, dims), {"keepdim": True})
     node.replace_all_uses_with(reduced)
+    graph.erase_node(node)
+    return True
+
+
+# Note [Features at placeholders]
+#     A vision-language model inserts its image features into the token embeddings with
+#     ``inputs_embeds.masked_scatter(mask, features)``: the k-th True element of the mask, in the order of
+#     the flattened tensor, takes the k-th element of ``features``. On a rank holding a slice of the
+#     sequence the count k must include the placeholders of the slices before its own, and of the samples
+#     before each sample. The op is rewritten into what it computes, in ops whose rules know the sequence:
+#     - the mask's rows (the dims it varies over; trailing dims it is broadcast over, the hidden dim, stay
+#       whole), as counts;
+#     - each row's number: per dim, an exclusive running sum of the rows counted over the dims after it
+#       (over the sequence a running sum of token data, computed for the whole sequence; over the batch
+#       the sum of every sample's placeholders, a partial sum made whole);
+#     - the feature rows at those numbers (a replicated table indexed per token, like an embedding) and
+#       ``where(mask, rows, inputs)``.
+#     Forward and backward are then the single-device op's: a rank's gradient of ``features`` is that of
+#     the rows its placeholders took, summed over the ranks like any replicated value's. The index is
+#     [B, S] integers, not an element per hidden unit.
+
+
+def _is_masked_scatter(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "masked_scatter"
+    return node.op == "call_function" and node.target in (torch.masked_scatter, torch.Tensor.masked_scatter)
+
+
+def _scatter_as_gather(graph: fx.Graph, node: fx.Node) -> bool:
+    """``x.masked_scatter(mask, source)`` -> ``where(mask, rows[number], x)`` (Note [Features at
+    placeholders]). False (the call kept) where the mask's rows are not over whole, fixed-size trailing
+    dims or ``source`` has no whole row."""
+    x, mask, source = (*node.args, *node.kwargs.values())[:3]
+    values = [example_value(v) for v in (x, mask, source)]
+    if any(v is None for v in values) or values[1].dtype != torch.bool or values[1].dim() > values[0].dim():
+        return False
+    x_value, mask_value, source_value = values
+    rank = x_value.dim()
+    mask_shape = [1] * (rank - mask_value.dim()) + list(mask_value.shape)
+    varied = [d for d in range(rank) if not (isinstance(mask_shape[d], int) and mask_shape[d] == 1)]
+    last = varied[-1] if varied else -1
+    trailing = list(x_value.shape[last + 1 :])
+    if not all(isinstance(size, int) for size in trailing) or not isinstance(source_value.numel(), int):
+        return False
+    width = 1
+    for size in trailing:
+        width *= size
+    rows = source_value.numel() // width
+    if rows == 0 or last < 0:
+        return False
+    lead = list(x_value.shape[: last + 1])
+    with graph.inserting_before(node):
+        flags = call(graph, torch.reshape, (mask, mask_shape[: last + 1]))
+        counts = call(graph, torch.Tensor.expand, (call(graph, torch.Tensor.long, (flags,)), lead))
+        number = None
+        for dim in range(last + 1):
+            inner = tuple(range(dim + 1, last + 1))
+            per_dim = call(graph, torch.sum, (counts, inner), {"keepdim": True}) if inner else counts
+            before = call(graph, operator.sub, (call(graph, torch.cumsum, (per_dim, dim)), per_dim))
+            number = before if number is None else call(graph, operator.add, (number, before))
+        number = call(graph, torch.clamp, (number, 0, rows - 1))
+        table = call(graph, torch.reshape, (source, (-1,)))
+        if rows * width != source_value.numel():
+            table = call(graph, operator.getitem, (table, slice(None, rows * width)))
+        table = call(graph, torch.reshape, (table, (rows, width)))
+        picked = call(graph, operator.getitem, (table, number))  # [*lead, width]
+        picked = call(graph, torch.Tensor.reshape_as, (picked, x))
+        result = call(graph, torch.where, (mask, picked, x))
+    node.replace_all_uses_with(result)
     graph.erase_node(node)
     return True
