@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -98,6 +99,7 @@ class CompiledSteps:
         return backend
 
     def install(self, module: pl.LightningModule) -> None:
+        install_output_capturing_hooks(module)
         # Dynamo cannot trace Lightning's logging; calling it from a compiled step becomes a graph break.
         for name in _LOGGING:
             self._originals[name] = getattr(module, name)
@@ -297,6 +299,25 @@ def _tracing_settings() -> contextlib.AbstractContextManager:
 #     twice): for the tests' Llama and GPT under Inductor + SAC, SAC's saved bytes, the all-to-alls and
 #     the gradients came out the same with and without it; step time on a GPU is not measured yet. A pass
 #     that leaves collectives alone would keep the rest.
+
+
+def install_output_capturing_hooks(module: torch.nn.Module) -> None:
+    """Install transformers' output-capturing hooks on composite models (vision- and audio-language) now.
+
+    A composite model reads its tower's hidden states, and transformers installs the hooks that collect
+    them on the first call that asks, under a ``threading.Lock``: Dynamo cannot trace into a lock, so the
+    first compiled step would run that frame eagerly, without sequence parallelism. Installed here, the
+    first call finds them installed, as every later call does. Models whose config has no sub-configs
+    (a causal LM alone) never ask, and are left as they are.
+    """
+    transformers = sys.modules.get("transformers")  # only a model built with transformers can need them
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    if transformers is None or capturing is None:
+        return
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if isinstance(sub, transformers.PreTrainedModel) and getattr(config, "sub_configs", None):
+            capturing.maybe_install_capturing_hooks(sub)
 
 
 def _collectives_kept_apart() -> contextlib.AbstractContextManager:

@@ -215,6 +215,50 @@ class MultimodalQwen(_SGD):
         return self.model(input_ids=ids, position_ids=positions, labels=ids).loss
 
 
+# A tiny LLaVA's image: 28 x 28 pixels in 14 x 14 patches, 4 features, each at a placeholder token.
+IMAGE_SIZE, IMAGE_TOKENS, IMAGE_TOKEN_ID = 28, 4, VOCAB - 1
+
+
+class LlavaModule(_SGD):
+    """LLaVA (CLIP vision tower, projector, Llama) from its default config with only sizes changed (and the
+    image token id inside the tiny vocabulary). HF puts the image features into the token embeddings at
+    the placeholder tokens with ``masked_scatter``; the batch carries ``pixel_values`` (one image per
+    sample) and ``input_ids`` with ``IMAGE_TOKENS`` placeholders each."""
+
+    def __init__(self, vision_layers: int = 2) -> None:
+        super().__init__()
+        from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+        text = {**TINY_HF, "model_type": "llama", "num_hidden_layers": 1, "max_position_embeddings": 256}
+        vision = dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=vision_layers,  # features from the last but one layer (the default)
+            num_attention_heads=2,
+            image_size=IMAGE_SIZE,
+            patch_size=14,
+        )
+        config = LlavaConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID)
+        self.model = LlavaForConditionalGeneration(config)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        ids, pixels = batch["input_ids"], batch["pixel_values"]
+        return self.model(input_ids=ids, pixel_values=pixels, labels=batch["labels"]).loss
+
+
+def with_images(batch: dict, starts: list[int], generator: torch.Generator) -> dict:
+    """``batch`` with one image per sample: ``IMAGE_TOKENS`` placeholders from ``starts[i]`` in sample i
+    (labels ignored there, as HF's processors do) and its pixels."""
+    ids, labels = batch["input_ids"].clone(), batch["labels"].clone()
+    ids[ids == IMAGE_TOKEN_ID] = 0  # no stray placeholder
+    for row, start in enumerate(starts):
+        ids[row, start : start + IMAGE_TOKENS] = IMAGE_TOKEN_ID
+        labels[row, start : start + IMAGE_TOKENS] = -100
+    pixels = torch.randn(ids.shape[0], 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+    return {**batch, "input_ids": ids, "labels": labels, "pixel_values": pixels}
+
+
 def multimodal_positions(length: int) -> torch.Tensor:
     """[3, S] rotary positions, one row per section; the rows differ, so a position read from another
     token or section changes the loss."""

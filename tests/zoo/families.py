@@ -42,6 +42,7 @@ class Family:
     inductor: bool = False  # also run at the odd length under Inductor + SAC
     vocab: int = VOCAB
     classes: int = 0  # > 0: a classifier, its batch carries one label per sample
+    images: bool = False  # its batch carries an image per sample and placeholders across the shard cut
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -83,6 +84,12 @@ def mixer(name: str, **kwargs: Any) -> Callable[[], L.LightningModule]:
     from tests.distributed import mixer_modules
 
     return lambda: getattr(mixer_modules, name)(**kwargs)
+
+
+def llava() -> L.LightningModule:
+    from tests.distributed.user_modules import LlavaModule
+
+    return LlavaModule()
 
 
 def nanogpt() -> L.LightningModule:
@@ -199,6 +206,13 @@ FAMILIES: dict[str, Family] = {
             mamba_expand=1,
         ),
         "hybrid: Mamba-2 chunked scan (torch path) and attention",
+    ),
+    # vision-language
+    "llava": Family(
+        llava,
+        "CLIP tower (replicated) + Llama: image features scattered to placeholders across the cut",
+        inductor=True,
+        images=True,
     ),
     # classification and reward heads
     "llama-sequence-classification": Family(

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_autosp import verify  # noqa: E402
 from lightning_autosp.compiler import backend as backend_module  # noqa: E402
 from lightning_autosp.compiler.sp_pass import SPReport  # noqa: E402
+from tests.distributed.user_modules import with_images  # noqa: E402
 from tests.launch import end_worker  # noqa: E402
 from tests.zoo.families import BATCH_SIZE, EVEN_LENGTH, FAMILIES, ODD_LENGTH, Family  # noqa: E402
 
@@ -41,9 +42,10 @@ ZOO_TIMEOUT_S = 300
 CONTROL = "nanogpt without the SP pass"
 
 
-def make_batch(vocab: int, length: int, classes: int = 0) -> dict[str, torch.Tensor]:
+def make_batch(vocab: int, length: int, classes: int = 0, images: bool = False) -> dict[str, torch.Tensor]:
     """Token ids and labels; the second sample's last 5 labels are ignored (-100). A classifier's batch
-    carries one ``label`` per sample (a float score for one class: a reward model's target)."""
+    carries one ``label`` per sample (a float score for one class: a reward model's target); a
+    vision-language model's an image per sample, the first sample's placeholders across the shard cut."""
     generator = torch.Generator().manual_seed(1000 + length)
     ids = torch.randint(0, vocab, (BATCH_SIZE, length), generator=generator)
     labels = ids.clone()
@@ -53,6 +55,8 @@ def make_batch(vocab: int, length: int, classes: int = 0) -> dict[str, torch.Ten
         batch["label"] = torch.randn(BATCH_SIZE, generator=generator)
     elif classes:
         batch["label"] = torch.randint(0, classes, (BATCH_SIZE,), generator=generator)
+    if images:
+        batch = with_images(batch, [(length + 1) // 2 - 2, 2], generator)
     return batch
 
 
@@ -74,7 +78,7 @@ def run_one(family: Family, length: int, compiler: str, accelerator: str, sp_pas
             module = family.build()
             result = verify(
                 module,
-                make_batch(family.vocab, length, family.classes),
+                make_batch(family.vocab, length, family.classes, family.images),
                 sp_size=2,
                 devices=dist.get_world_size(),
                 accelerator=accelerator,
