@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler import ops
+from lightning_autosp.compiler import ops, symbols
 from lightning_autosp.compiler.analysis import Analysis
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, op_name
@@ -60,7 +60,8 @@ def slices_pass(
             else:
                 start, stop = bounds
                 replacement = _slice(graph, node, dim, in_len, rank, start, max(0, stop - start), ctx)
-        report.append(f"{node.name}: {op_name(node)} of the global sequence ({in_len} positions)")
+        positions = symbols.concrete(in_len) if isinstance(in_len, (int, torch.SymInt)) else in_len
+        report.append(f"{node.name}: {op_name(node)} of the global sequence ({positions} positions traced)")
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
 
