@@ -30,6 +30,9 @@ but DeepSpeed's, whose ``engine.backward`` does its own. No method builds an opt
                mask under ``torch.compile``)
 ``ring``       PyTorch's ``context_parallel`` (ring attention, head-tail load balancing) around the same
                hand-written loss, compiled with plain ``torch.compile``
+``alst``       the record holders' recipe (``benchmarks/alst.py``): hand-written Ulysses with every layer
+               checkpointed, DeepSpeed's ``TiledMLP`` and ``TiledFusedLogitsLoss``, eager as ArcticTraining
+               runs it
 =============  ========================================================================================
 """
 
@@ -275,6 +278,21 @@ class Ulysses(Method):
         )
 
 
+class ALST(Ulysses):
+    name, label = "alst", "ALST-style (Ulysses, layers checkpointed, tiled MLP and loss)"
+
+    def __init__(self, spec: ModelSpec, ctx: RunContext) -> None:  # Ulysses' step, ALST's model and loss
+        Method.__init__(self, spec, ctx)
+        require("deepspeed", extra="bench", needed_by="the ALST-style baseline (benchmarks.alst)")
+        import deepspeed
+
+        from benchmarks.alst import alst_loss, alst_model
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend(ctx.group), verbose=False)
+        self._model = alst_model(spec, ctx.group).to(ctx.device, ctx.dtype)
+        self.fn = alst_loss(spec, self._model)  # eager: TiledFusedLogitsLoss runs backward in forward
+
+
 class DDP(Method):
     name, label = "ddp", "DDP (full sequence)"
 
@@ -336,7 +354,9 @@ class Ring(Method):
         return Prepared(forward, backward, lambda loss: _all_reduced(loss, ctx.group))
 
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (OursSAC, OursSP, DeepSpeedAutoSP, Ulysses, DDP, Ring)}
+METHODS: dict[str, type[Method]] = {
+    m.name: m for m in (OursSAC, OursSP, DeepSpeedAutoSP, Ulysses, ALST, DDP, Ring)
+}
 
 
 @dataclass

@@ -76,7 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     parser.add_argument("--models", nargs="+", help="presets of benchmarks/models.py")
     parser.add_argument("--layers", type=int, help="cut every model to this many layers")
-    parser.add_argument("--methods", nargs="+", help="of: sac sp deepspeed ulysses ddp ring")
+    parser.add_argument("--methods", nargs="+", help="of: sac sp deepspeed ulysses alst ddp ring")
     parser.add_argument("--seq-lens", nargs="+", type=int)
     parser.add_argument("--headline-len", type=int, help="length of the timed and saved-bytes figures")
     parser.add_argument("--parity-len", type=int, help="length of the single-device parity check")
@@ -104,7 +104,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.out = args.out or RESULTS / f"{args.suite}.json"
     if args.nproc is None:
         args.nproc = _gpu_count() if args.device == "cuda" else 2
-    unknown = set(args.methods) - {"sac", "sp", "deepspeed", "ulysses", "ddp", "ring"}
+    unknown = set(args.methods) - {"sac", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"}
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}")
     for length in (args.headline_len, args.parity_len):

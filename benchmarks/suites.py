@@ -29,7 +29,7 @@ SUITES: dict[str, dict[str, Any]] = {
     "trainability": {
         "models": ["gpt-tiny", "llama-tiny", "llama3-proportions"],
         "layers": 8,
-        "methods": ["sac", "sp", "ulysses", "ddp", "deepspeed"],
+        "methods": ["sac", "sp", "ulysses", "alst", "ddp", "deepspeed"],
         "seq_lens": [1024, 2048],
         "headline_len": 2048,
         "parity_len": 1024,
@@ -46,7 +46,7 @@ SUITES: dict[str, dict[str, Any]] = {
     },
     "smoke": {
         "models": ["gpt-smoke", "llama-smoke"],
-        "methods": ["sac", "sp", "deepspeed", "ulysses", "ddp", "ring"],
+        "methods": ["sac", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"],
         "seq_lens": [64],
         "headline_len": 64,
         "parity_len": 64,

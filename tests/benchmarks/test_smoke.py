@@ -22,8 +22,8 @@ from benchmarks.length_search import next_candidate
 from tests.launch import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = ["sac", "sp", "deepspeed", "ulysses", "ddp", "ring"]
-EXACT = ["sac", "sp", "ulysses", "ddp"]  # single-device parity to fp32 rounding
+METHODS = ["sac", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"]
+EXACT = ["sac", "sp", "ulysses", "alst", "ddp"]  # single-device parity to fp32 rounding
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 
 
@@ -98,6 +98,10 @@ def test_all_to_all_bytes_follow_the_ulysses_formula(smoke) -> None:
         assert ulysses["a2a_forward_bytes_per_layer"] == ulysses["a2a_formula_bytes_per_layer"]
         assert ulysses["a2a_backward_bytes_per_layer"] == ulysses["a2a_formula_bytes_per_layer"]
         assert summary(report, model, "ddp")["a2a_forward_bytes_per_layer"] == 0
+        # ALST's trade: every layer recomputed in backward, its all-to-alls with it, for less kept
+        alst = summary(report, model, "alst")
+        assert alst["a2a_backward_bytes_per_layer"] == 2 * alst["a2a_forward_bytes_per_layer"]
+        assert alst["saved_bytes"] < ulysses["saved_bytes"]
         for method in ("sac", "sp"):
             ours = summary(report, model, method)
             # GQA: our all-to-all moves K/V after HF repeats them to every query head (more than the formula)
