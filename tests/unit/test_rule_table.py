@@ -145,7 +145,9 @@ def test_every_reduction_shape_function_and_view_of_torch_has_a_rule_or_a_reason
 class NewlyRuled(torch.nn.Module):
     """The ops the structural sweep and the fuzzer found unruled that have exact layouts:
     ``linalg.vector_norm`` over the sequence and over channels, ``tile`` on channels, and adaptive pools
-    of the sequence to one output (the mean or maximum they compute; ``normalize.py``)."""
+    of the sequence to one output (the mean or maximum they compute; ``normalize.py``); and indexed
+    assignments that leave the sequence whole (Qwen3.5's rotary sections: ``x[..., 1:8:3] = y[..., 1:8:3]``).
+    """
 
     def __init__(self, idiom: str) -> None:
         super().__init__()
@@ -172,6 +174,14 @@ class NewlyRuled(torch.nn.Module):
             return F.cross_entropy(
                 self.head(F.adaptive_avg_pool2d(x[:, None], (1, None)).flatten(1)), batch["cls"]
             )
+        if self.idiom == "sections_assigned":
+            sections = x.clone()
+            sections[..., 1:8:3] = torch.sin(x)[..., 1:8:3]
+            sections[..., 0] = 0.5
+            sections[:, :, None, 2] = x[..., 4:5].exp()
+            return F.cross_entropy(
+                self.lm_head(torch.cat((sections, x), -1)).flatten(0, 1), batch["input_ids"].flatten()
+            )
         tiled = x.tile(1, 1, 2) if self.idiom == "tile_method" else torch.tile(x, (2,))
         return F.cross_entropy(self.lm_head(tiled).flatten(0, 1), batch["input_ids"].flatten())
 
@@ -186,6 +196,7 @@ class NewlyRuled(torch.nn.Module):
         "adaptive_avg_pool",
         "adaptive_max_pool_module",
         "adaptive_avg_pool2d",
+        "sections_assigned",
     ],
 )
 @pytest.mark.parametrize(("batch_size", "length", "world"), [(1, 23, 2), (2, 26, 4)])
@@ -215,13 +226,20 @@ class EmbeddedThen(torch.nn.Module):
         return self.then(self.embed(batch["input_ids"])).sum()
 
 
+def _rows_assigned(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    x[:, 2:5] = 0.0  # positions 2 to 4 of the whole sequence: not this rank's rows 2 to 4
+    return x
+
+
 @pytest.mark.parametrize(
     ("then", "refusal"),
     [
         (lambda x: x.tile(1, 2, 1), "repeats values along the sequence"),
         (lambda x: F.adaptive_avg_pool1d(x.transpose(1, 2), 4), "adaptive_avg_pool1d"),
+        (_rows_assigned, "assigns into a tensor by index"),
     ],
-    ids=["tile_along_the_sequence", "adaptive_pool_to_four_outputs"],
+    ids=["tile_along_the_sequence", "adaptive_pool_to_four_outputs", "rows_of_the_sequence_assigned"],
 )
 def test_ops_without_an_exact_layout_over_the_sequence_are_refused(then, refusal: str) -> None:
     batch = {"input_ids": torch.randint(0, VOCAB, (1, 23))}

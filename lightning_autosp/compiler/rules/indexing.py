@@ -242,7 +242,7 @@ def setitem(a, node: fx.Node) -> Layout:
     inverse = dispatch.inverse(a, node)
     if inverse is not None:
         return inverse
-    if _masked_fill(a, node):
+    if _masked_fill(a, node) or _per_token_assignment(a, node):
         return REPLICATE  # the assignment returns None; ``target`` keeps its layout
     return a.refuse(
         node,
@@ -267,3 +267,40 @@ def _masked_fill(a, node: fx.Node) -> bool:
         filled = meta_value(value)
         return isinstance(filled, torch.Tensor) and filled.numel() == 1 and a.layout(value) == REPLICATE
     return isinstance(value, (int, float, bool))
+
+
+def _per_token_assignment(a, node: fx.Node) -> bool:
+    """``x[..., 1:8:3] = y`` with basic indices (ints, slices, None) that leave every sequence dim of ``x``
+    whole, and ``y`` a number, a replicated value without sequence dims, or a value laid out as
+    ``x[..., 1:8:3]`` is: each token's row is written from the same token's row (Qwen3.5's rotary
+    sections), so every rank writes its own shard."""
+    target, index, value = node.args
+    if not isinstance(meta_value(target), torch.Tensor) or a.moved(target):
+        return False
+    rank = ndim(target)
+    items = index_items(index, rank)
+    if any(isinstance(item, fx.Node) and isinstance(meta_value(item), torch.Tensor) for item in items):
+        return False
+    items += [slice(None)] * (rank - sum(1 for item in items if item is not None))
+    layout = a.layout(target)
+    if layout.kind not in ("shard", "replicate") or layout.flat or layout.is_pairwise:
+        return False
+    a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
+    where, in_dim, out_dim = {}, 0, 0
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        if in_dim in layout.dims and not (isinstance(item, slice) and _is_full(a, item)):
+            return False  # cuts or picks along the sequence
+        where[in_dim] = out_dim if isinstance(item, slice) else None
+        out_dim += isinstance(item, slice)
+        in_dim += 1
+    if not isinstance(value, fx.Node):
+        return isinstance(value, (int, float, bool))
+    written = meta_value(value)
+    if not isinstance(written, torch.Tensor):
+        return True  # a size or number computed in the graph
+    if a.layout(value) == REPLICATE:
+        return not sequence_dims_of_output(a, value)
+    return a.layout(value) == layout.mapped(where) and written.dim() == out_dim
