@@ -13,7 +13,8 @@ is alike (a second repeats the same ops on the same layouts: compile time, not c
 blocks, convolution or scan and attention, one checkpointed region per layer). Shard lengths (13 and 14
 tokens) differ from every model dimension, so no size is ambiguous between the sequence and the
 model. HF causal LMs, litgpt and hand-written GPTs, torch's own attention modules, hybrids of linear
-attention, convolutions and state-space scans, mixtures of experts, classifiers and reward models.
+attention, convolutions and state-space scans (2026's gated delta nets and Mamba-2 hybrids among them),
+mixtures of experts, a vision-language model, classifiers and reward models.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ DEEPSEEK = dict(
 )
 
 
-def hf(family: str, layers: int = ALIKE_LAYERS, **config: Any) -> Callable[[], L.LightningModule]:
+def hf(family: str, layers: int | None = ALIKE_LAYERS, **config: Any) -> Callable[[], L.LightningModule]:
+    """``layers=None``: the config sets its depth another way (a list of block types)."""
     from tests.distributed.user_modules import HFModule
 
-    return lambda: HFModule(family, num_hidden_layers=layers, **config)
+    depth = {} if layers is None else {"num_hidden_layers": layers}
+    return lambda: HFModule(family, **depth, **config)
 
 
 def hf_classifier(num_labels: int) -> Callable[[], L.LightningModule]:
@@ -206,6 +209,112 @@ FAMILIES: dict[str, Family] = {
             mamba_expand=1,
         ),
         "hybrid: Mamba-2 chunked scan (torch path) and attention",
+    ),
+    # 2026's hybrids: gated delta nets, Mamba and Mamba-2 scans with attention and experts (issue 49)
+    "qwen3_next": Family(
+        hf(
+            "qwen3_next",
+            layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            head_dim=8,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        ),
+        "hybrid: gated delta rule over chunks of 64 (torch path), gated attention, experts",
+        refusal="assigns into a tensor by index",  # its loop over chunks of the sequence (issue 49)
+    ),
+    "qwen3_5_text": Family(
+        hf(
+            "qwen3_5_text",
+            layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            head_dim=8,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        ),
+        "hybrid: Qwen3.5's text model, gated delta rule and gated attention",
+        refusal="assigns into a tensor by index",  # its loop over chunks of the sequence (issue 49)
+    ),
+    "jamba": Family(
+        hf(
+            "jamba",
+            layers=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_expand=1,
+            mamba_dt_rank=4,
+        ),
+        "hybrid: Mamba selective scan (torch path), attention, experts",
+        refusal="branched on the sequence length",  # the scan's recursion follows the length (issue 49)
+    ),
+    "granitemoehybrid": Family(
+        hf(
+            "granitemoehybrid",
+            layers=2,
+            layer_types=["mamba", "attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=8,
+            mamba_expand=1,
+        ),
+        "hybrid: Granite 4, Mamba-2 chunked scan padded to whole chunks, attention, experts",
+        inductor=True,
+    ),
+    "nemotron_h": Family(
+        hf(
+            "nemotron_h",
+            layers=None,
+            layers_block_type=["mamba", "moe", "attention", "mlp"],
+            head_dim=8,
+            ssm_state_size=8,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            n_groups=1,
+            chunk_size=8,
+            expand=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+        ),
+        "hybrid: Mamba-2, experts, attention and MLP blocks",
+    ),
+    "falcon_h1": Family(
+        hf(
+            "falcon_h1",
+            layers=2,
+            head_dim=8,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_expand=1,
+            mamba_chunk_size=8,
+        ),
+        "hybrid: Mamba-2 and attention side by side in each block",
+    ),
+    "mamba2": Family(
+        hf("mamba2", num_heads=4, head_dim=8, state_size=8, n_groups=1, chunk_size=8, expand=1),
+        "Mamba-2 alone (no attention): chunked scan, causal convolution",
     ),
     # vision-language
     "llava": Family(
