@@ -458,7 +458,5 @@ def auto_sp_size(
     return chosen
 
 
-if __name__ == "__main__":  # the command line's older name; planner_cli runs without runpy's warning
-    from lightning_autosp.planner_cli import main
-
-    main()
+if __name__ == "__main__":  # the command line's older name
+    raise SystemExit("The planner's command line is: python -m lightning_autosp.planner_cli --help")

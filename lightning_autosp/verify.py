@@ -28,11 +28,10 @@ import copy
 import inspect
 import itertools
 import logging
-import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,108 +47,9 @@ from torch.utils.data import DataLoader
 from lightning_autosp.data import find_sequence_length
 from lightning_autosp.meta_init import has_meta_tensors
 from lightning_autosp.strategy import AutoSPStrategy
-from lightning_autosp.verify_report import render_markdown, render_rich
+from lightning_autosp.verify_report import RankResult, VerifyResult
 
-FULL_PRECISION = ("32-true", "64-true")
-# (loss, gradients): fp32 as the parity tests; bf16/fp16 round to 8/11 bits of mantissa (2**-7 for
-# bf16), which the bf16-mixed parity tests measure at under 1e-2 / 3e-2 against a bf16 reference.
-TOLERANCES = {"full": (1e-5, 1e-4), "low": (1e-2, 3e-2)}
 GRAD_SCALE_FLOOR = 1e-3
-
-
-@dataclass
-class RankResult:
-    """What one rank measured against its single-device reference."""
-
-    rank: int
-    reference_loss: float
-    loss: float | None = None
-    grad_errors: dict[str, float] = field(default_factory=dict)
-    missing_grads: list[str] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def loss_rel_err(self) -> float:
-        if self.loss is None:
-            return math.inf
-        return abs(self.loss - self.reference_loss) / max(abs(self.reference_loss), 1e-12)
-
-    @property
-    def grad_rel_err(self) -> float:
-        return max(self.grad_errors.values(), default=math.inf if self.error else 0.0)
-
-
-@dataclass
-class VerifyResult:
-    """Loss and gradient errors of the SP step on every rank, and what the SP pass did."""
-
-    ranks: list[RankResult]
-    sp_size: int
-    devices: int
-    accelerator: str
-    precision: str
-    seq_len: int
-    options: dict[str, Any]
-    explain: str
-    module: str = ""
-
-    @property
-    def tolerances(self) -> tuple[float, float]:
-        return TOLERANCES["full" if self.precision in FULL_PRECISION else "low"]
-
-    @property
-    def refusal(self) -> str | None:
-        """The SP run's error (the same on every rank when the pass refused), else None."""
-        return next((r.error for r in self.ranks if r.error), None)
-
-    @property
-    def loss_rel_err(self) -> float:
-        return max(r.loss_rel_err for r in self.ranks)
-
-    @property
-    def grad_rel_err(self) -> float:
-        return max(r.grad_rel_err for r in self.ranks)
-
-    def worst_parameters(self, count: int = 5) -> list[tuple[str, int, float]]:
-        """(parameter, the rank where it is worst, relative error), worst first."""
-        worst: dict[str, tuple[str, int, float]] = {}
-        for r in self.ranks:
-            for name, err in r.grad_errors.items():
-                if name not in worst or err > worst[name][2]:
-                    worst[name] = (name, r.rank, err)
-        return sorted(worst.values(), key=lambda item: -item[2])[:count]
-
-    @property
-    def verdict(self) -> str:
-        """ "exact", "refused" (the SP pass or the run raised) or "not exact"."""
-        if self.refusal is not None:
-            return "refused"
-        loss_tolerance, grad_tolerance = self.tolerances
-        exact = (
-            self.loss_rel_err <= loss_tolerance
-            and self.grad_rel_err <= grad_tolerance
-            and not any(r.missing_grads for r in self.ranks)
-        )
-        return "exact" if exact else "not exact"
-
-    @property
-    def passed(self) -> bool:
-        return self.verdict == "exact"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "verdict": self.verdict,
-            "loss_rel_err": self.loss_rel_err,
-            "grad_rel_err": self.grad_rel_err,
-            "tolerances": self.tolerances,
-        }
-
-    def __str__(self) -> str:
-        return render_markdown(self)
-
-    def __rich__(self) -> Any:
-        return render_rich(self)
 
 
 def verify(

@@ -1,11 +1,112 @@
-"""The tables ``verify`` prints: as rich renderables (``lightning_autosp[plot]``) or as markdown."""
+"""What ``verify`` returns (``VerifyResult``: every rank's errors against one device) and the tables it
+prints: as rich renderables (``lightning_autosp[plot]``) or as markdown."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from lightning_autosp.verify import VerifyResult
+FULL_PRECISION = ("32-true", "64-true")
+# (loss, gradients): fp32 as the parity tests; bf16/fp16 round to 8/11 bits of mantissa (2**-7 for
+# bf16), which the bf16-mixed parity tests measure at under 1e-2 / 3e-2 against a bf16 reference.
+TOLERANCES = {"full": (1e-5, 1e-4), "low": (1e-2, 3e-2)}
+
+
+@dataclass
+class RankResult:
+    """What one rank measured against its single-device reference."""
+
+    rank: int
+    reference_loss: float
+    loss: float | None = None
+    grad_errors: dict[str, float] = field(default_factory=dict)
+    missing_grads: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def loss_rel_err(self) -> float:
+        if self.loss is None:
+            return math.inf
+        return abs(self.loss - self.reference_loss) / max(abs(self.reference_loss), 1e-12)
+
+    @property
+    def grad_rel_err(self) -> float:
+        return max(self.grad_errors.values(), default=math.inf if self.error else 0.0)
+
+
+@dataclass
+class VerifyResult:
+    """Loss and gradient errors of the SP step on every rank, and what the SP pass did."""
+
+    ranks: list[RankResult]
+    sp_size: int
+    devices: int
+    accelerator: str
+    precision: str
+    seq_len: int
+    options: dict[str, Any]
+    explain: str
+    module: str = ""
+
+    @property
+    def tolerances(self) -> tuple[float, float]:
+        return TOLERANCES["full" if self.precision in FULL_PRECISION else "low"]
+
+    @property
+    def refusal(self) -> str | None:
+        """The SP run's error (the same on every rank when the pass refused), else None."""
+        return next((r.error for r in self.ranks if r.error), None)
+
+    @property
+    def loss_rel_err(self) -> float:
+        return max(r.loss_rel_err for r in self.ranks)
+
+    @property
+    def grad_rel_err(self) -> float:
+        return max(r.grad_rel_err for r in self.ranks)
+
+    def worst_parameters(self, count: int = 5) -> list[tuple[str, int, float]]:
+        """(parameter, the rank where it is worst, relative error), worst first."""
+        worst: dict[str, tuple[str, int, float]] = {}
+        for r in self.ranks:
+            for name, err in r.grad_errors.items():
+                if name not in worst or err > worst[name][2]:
+                    worst[name] = (name, r.rank, err)
+        return sorted(worst.values(), key=lambda item: -item[2])[:count]
+
+    @property
+    def verdict(self) -> str:
+        """ "exact", "refused" (the SP pass or the run raised) or "not exact"."""
+        if self.refusal is not None:
+            return "refused"
+        loss_tolerance, grad_tolerance = self.tolerances
+        exact = (
+            self.loss_rel_err <= loss_tolerance
+            and self.grad_rel_err <= grad_tolerance
+            and not any(r.missing_grads for r in self.ranks)
+        )
+        return "exact" if exact else "not exact"
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "exact"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "verdict": self.verdict,
+            "loss_rel_err": self.loss_rel_err,
+            "grad_rel_err": self.grad_rel_err,
+            "tolerances": self.tolerances,
+        }
+
+    def __str__(self) -> str:
+        return render_markdown(self)
+
+    def __rich__(self) -> Any:
+        return render_rich(self)
+
 
 VERDICTS = {
     "exact": "EXACT: sequence parallelism reproduces the single-device step for this module and batch.",
@@ -18,6 +119,20 @@ VERDICTS = {
         "Its lines name the op, where it is in your code and what to write instead."
     ),
 }
+# A run that raised something other than the SP pass's refusal (a module Lightning cannot train, a bad
+# option); refusals are NotImplementedErrors, as an unsupported program is.
+REFUSAL_TYPES = ("SequenceParallelRefusal", "NotImplementedError")
+STOPPED = (
+    "STOPPED: the SP run raised the error above before training anything; it is not the SP pass refusing "
+    "an op. Fix what it names and verify again."
+)
+
+
+def verdict_text(result: VerifyResult) -> str:
+    refusal = result.refusal
+    if refusal is not None and refusal.split(":", 1)[0] not in REFUSAL_TYPES:
+        return STOPPED
+    return VERDICTS[result.verdict]
 
 
 def title(result: VerifyResult) -> str:
@@ -91,7 +206,7 @@ def render_markdown(result: VerifyResult) -> str:
         )
         lines += [""] + _markdown(["worst parameters", "rank", "relative error"], parameter_rows(result))
     heading = "The SP run's error:" if result.refusal is not None else "What the SP pass did (rank 0):"
-    lines += ["", heading, compiler_text(result), "", VERDICTS[result.verdict]]
+    lines += ["", heading, compiler_text(result), "", verdict_text(result)]
     return "\n".join(lines)
 
 
@@ -127,7 +242,7 @@ def render_rich(result: VerifyResult) -> Any:
     heading = "The SP run's error" if result.refusal is not None else "What the SP pass did (rank 0)"
     parts.append(Panel(Text(compiler_text(result)), title=heading, title_align="left"))
     style = {"exact": "bold green", "not exact": "bold red", "refused": "bold yellow"}[result.verdict]
-    parts.append(Text(VERDICTS[result.verdict], style=style))
+    parts.append(Text(verdict_text(result), style=style))
     return Group(*parts)
 
 

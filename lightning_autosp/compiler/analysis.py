@@ -468,10 +468,6 @@ def _is_shape(value: object) -> bool:
     )
 
 
-def _is_tensor_node(node: fx.Node) -> bool:
-    return isinstance(meta_value(node), torch.Tensor)
-
-
 def _is_trainable(node: fx.Node, example: object) -> bool:
     return isinstance(example, torch.nn.Parameter) and example.requires_grad
 

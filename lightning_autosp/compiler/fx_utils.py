@@ -7,7 +7,7 @@ import contextlib
 import inspect
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -31,16 +31,6 @@ def meta_value(node: object) -> object:
     if not isinstance(node, fx.Node):
         return None
     return node.meta.get("example_value", node.meta.get("val"))
-
-
-def first_tensor_value(node: object) -> torch.Tensor | None:
-    """The example value of a node, or of the first tensor of a tuple-valued node (split, chunk)."""
-    value = meta_value(node)
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((item for item in value if isinstance(item, torch.Tensor)), None)
-    return None
 
 
 def bind(node: fx.Node, signature: inspect.Signature) -> dict[str, object]:
@@ -152,10 +142,6 @@ def source_line(node: fx.Node) -> str:
         return f"graph node {node.name}"
     frame = frames[-1]
     return f"{frame['file']}:{frame['line']} in {frame['function']}: {frame['code'].strip()}"
-
-
-def users_of(nodes: Iterable[fx.Node]) -> set[fx.Node]:
-    return {user for node in nodes for user in node.users}
 
 
 def index_items(index: object, rank: int) -> list:

@@ -88,6 +88,13 @@ def test_a_refusal_is_the_verdict_and_its_message_is_shown():
     assert "sort at model.py:3" in console.file.getvalue()
 
 
+def test_an_error_that_is_no_refusal_is_not_called_one():
+    error = "MisconfigurationException: No `configure_optimizers()` method defined."
+    markdown = str(_result([RankResult(0, 2.0, error=error), RankResult(1, 2.0, error=error)]))
+    assert "configure_optimizers" in markdown and "REFUSED" not in markdown
+    assert markdown.endswith("Fix what it names and verify again.")
+
+
 def test_the_tables_show_the_numbers():
     result = _result([RankResult(0, 2.0, 2.0, {"w": 3e-6}), RankResult(1, 2.0, 2.0, {"w": 4e-6})])
     markdown = str(result)
