@@ -96,27 +96,38 @@ def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Layo
     source = node.args[0]
     layout = a.layout(source)
     a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
-    where, in_dim, out_dim = {}, 0, 0
+    where, indexed, _ = _basic_index(items)
+    if tensor_items or any(dim == layout.split and not _is_whole(a, item) for dim, item in indexed):
+        if a.sequence_home(source) == REFUSED:  # no way back to shards: the refusal says why
+            return REFUSED
+        return getitem(a, node)
+    return layout.mapped(where)
+
+
+def _basic_index(items: list) -> tuple[dict[int, int | None], list[tuple[int, object]], int]:
+    """Basic index items (slices, ints, None) -> where each input dim goes (None: picked away), each
+    input dim with the item that indexes it, and the number of output dims."""
+    where: dict[int, int | None] = {}
+    indexed: list[tuple[int, object]] = []
+    out_dim = 0
     for item in items:
         if item is None:
             out_dim += 1
             continue
-        whole = isinstance(item, slice) and _is_full(a, item)
-        if tensor_items or (in_dim == layout.split and not whole):
-            if a.sequence_home(source) == REFUSED:  # no way back to shards: the refusal says why
-                return REFUSED
-            return getitem(a, node)
-        if isinstance(item, slice):
-            where[in_dim] = out_dim
-            out_dim += 1
-        else:
-            where[in_dim] = None
-        in_dim += 1
-    return layout.mapped(where)
+        in_dim = len(indexed)
+        indexed.append((in_dim, item))
+        where[in_dim] = out_dim if isinstance(item, slice) else None
+        out_dim += isinstance(item, slice)
+    return where, indexed, out_dim
 
 
 def _is_full(a, item: slice) -> bool:
     return item.start in (None, 0) and item.step in (None, 1) and item.stop is None
+
+
+def _is_whole(a, item: object) -> bool:
+    """An index item that keeps its dim whole (``:``)."""
+    return isinstance(item, slice) and _is_full(a, item)
 
 
 def _bounded_by_length(a, item: slice) -> bool:
@@ -286,16 +297,9 @@ def _per_token_assignment(a, node: fx.Node) -> bool:
     if layout.kind not in ("shard", "replicate") or layout.flat or layout.is_pairwise:
         return False
     a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
-    where, in_dim, out_dim = {}, 0, 0
-    for item in items:
-        if item is None:
-            out_dim += 1
-            continue
-        if in_dim in layout.dims and not (isinstance(item, slice) and _is_full(a, item)):
-            return False  # cuts or picks along the sequence
-        where[in_dim] = out_dim if isinstance(item, slice) else None
-        out_dim += isinstance(item, slice)
-        in_dim += 1
+    where, indexed, out_dim = _basic_index(items)
+    if any(dim in layout.dims and not _is_whole(a, item) for dim, item in indexed):
+        return False  # cuts or picks along the sequence
     if not isinstance(value, fx.Node):
         return isinstance(value, (int, float, bool))
     written = meta_value(value)
