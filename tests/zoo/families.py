@@ -61,6 +61,20 @@ DEEPSEEK = dict(
     n_group=2,
     topk_group=1,
 )
+# The Mamba-2 mixers of Bamba, Granite 4 and Falcon-H1: 4 heads of 8, chunks of 8 tokens
+MAMBA2 = dict(
+    mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8, mamba_expand=1
+)
+# Qwen3-Next and Qwen3.5: a gated delta net layer, then an attention layer
+GATED_DELTA = dict(
+    layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    head_dim=8,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 
 
 def hf(family: str, layers: int | None = ALIKE_LAYERS, **config: Any) -> Callable[[], L.LightningModule]:
@@ -201,12 +215,7 @@ FAMILIES: dict[str, Family] = {
             "bamba",
             layers=2,
             attn_layer_indices=[1],
-            mamba_n_heads=4,
-            mamba_d_head=8,
-            mamba_d_state=8,
-            mamba_n_groups=1,
-            mamba_chunk_size=8,
-            mamba_expand=1,
+            **MAMBA2,
         ),
         "hybrid: Mamba-2 chunked scan (torch path) and attention",
     ),
@@ -214,13 +223,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(
         hf(
             "qwen3_next",
-            layers=2,
-            layer_types=["linear_attention", "full_attention"],
-            head_dim=8,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
+            **GATED_DELTA,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=16,
@@ -230,16 +233,7 @@ FAMILIES: dict[str, Family] = {
         refusal="assigns into a tensor by index",  # its loop over chunks of the sequence (issue 49)
     ),
     "qwen3_5_text": Family(
-        hf(
-            "qwen3_5_text",
-            layers=2,
-            layer_types=["linear_attention", "full_attention"],
-            head_dim=8,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-        ),
+        hf("qwen3_5_text", **GATED_DELTA),
         "hybrid: Qwen3.5's text model, gated delta rule and gated attention",
         refusal="assigns into a tensor by index",  # its loop over chunks of the sequence (issue 49)
     ),
@@ -268,12 +262,7 @@ FAMILIES: dict[str, Family] = {
             num_local_experts=4,
             num_experts_per_tok=2,
             shared_intermediate_size=32,
-            mamba_n_heads=4,
-            mamba_d_head=8,
-            mamba_d_state=8,
-            mamba_n_groups=1,
-            mamba_chunk_size=8,
-            mamba_expand=1,
+            **MAMBA2,
         ),
         "hybrid: Granite 4, Mamba-2 chunked scan padded to whole chunks, attention, experts",
         inductor=True,
@@ -303,12 +292,7 @@ FAMILIES: dict[str, Family] = {
             layers=2,
             head_dim=8,
             mamba_d_ssm=32,
-            mamba_n_heads=4,
-            mamba_d_head=8,
-            mamba_n_groups=1,
-            mamba_d_state=8,
-            mamba_expand=1,
-            mamba_chunk_size=8,
+            **MAMBA2,
         ),
         "hybrid: Mamba-2 and attention side by side in each block",
     ),
