@@ -106,9 +106,9 @@ class GlobalCopier:
         """The latest of a copy's inputs and the copy made before it: copies depend on graph inputs (and
         their gathers) only, so they all sit near the top of the graph, before any use."""
         candidates = {*inputs, *([self._last_copy] if self._last_copy is not None else [])}
-        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
-        for node in self.graph.nodes:
-            if node in candidates:
+        last = None
+        for node in self.graph.nodes:  # never before the last input: a copy of sizes alone reads symbols only
+            if node.op == "placeholder" or node in candidates:
                 last = node
         return last
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed.modules import VOCAB
+from tests.unit.found_modules import FeaturesThenMaskedAttention
 from tests.unit.sp_graphs import simulate_step
 from tests.unit.test_found import assert_exact
 
@@ -87,3 +88,16 @@ def test_the_rewrite_is_reported() -> None:
     simulated = simulate_step(FeatureInsert(), batch_with_placeholders(23, [[10]]), 2)
     lines = [line for report in simulated.reports for line in report.normalized]
     assert any(line.startswith("masked_scatter as a gather of feature rows") for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("length", "starts", "world"),
+    [(6, [[0], [3], [1]], 2), (21, [[2], [9], [17]], 4)],
+    ids=["shrunk", "found"],
+)
+def test_features_then_a_mask_built_from_the_length(length: int, starts: list[list[int]], world: int) -> None:
+    """The fuzzer's crash (seed 120603627): batch 3, a boolean causal mask after features at placeholders."""
+    torch.manual_seed(0)
+    batch = batch_with_placeholders(length, starts)
+    module = FeaturesThenMaskedAttention(heads=world)
+    assert_exact(module, batch, lambda m, b: simulate_step(m, b, world))
