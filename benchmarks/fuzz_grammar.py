@@ -83,6 +83,9 @@ ELEMENTS: dict[str, tuple[str, ...]] = {
     "aux_loss": ("none", "hidden_mean_square", "logits_mean_square", "hidden_abs_sum"),
     "layers": ("1", "2"),
     "heads": ("sp", "2sp"),
+    # last, so that a seed draws the elements above as it did before these were added
+    "features": ("none", "placeholders", "placeholders_expanded", "per_element"),
+    "assign": ("none", "sections"),
 }
 TOKEN_LOSSES = (
     "ce_mean",
@@ -126,6 +129,8 @@ WEIGHTS: dict[str, tuple[float, ...]] = {
     "head": (3, 3, 2, 2, 2, 2, 2, 2),
     "ignore_index": (3, 1, 1),
     "aux_loss": (4, 1, 1, 1),
+    "features": (4, 1, 1, 1),
+    "assign": (3, 1),
 }
 # Each element's choice that leaves it out of the module (shrinking tries these first).
 DROPPED = {
@@ -140,6 +145,8 @@ DROPPED = {
     "head_bias": "no",
     "kv_heads": "same",
     "pool_spelling": "plain",
+    "features": "none",
+    "assign": "none",
 }
 MAX_LEN = 40  # lengths stay below it; position tables hold it
 SP_SIZES = (2, 3, 4)

@@ -364,12 +364,31 @@ def _pooled_loss(spec: Spec) -> list[str]:
     }[spec["loss"]]
 
 
+# Features put at placeholder tokens (VOCAB - 1), as vision-language models insert image features: each
+# spelling of the mask (transformers' [B, T, 1], expanded to the embeddings, per element).
+FEATURE_MASKS = {
+    "placeholders": "(ids == VOCAB - 1).unsqueeze(-1)",
+    "placeholders_expanded": "(ids == VOCAB - 1).unsqueeze(-1).expand_as(x)",
+    "per_element": "(ids == VOCAB - 1).unsqueeze(-1) & (torch.arange(D, device=ids.device) % 2 == 0)",
+}
+FEATURE_DIM = 12
+
+
 def _case(spec: Spec) -> list[str]:
     pos_init, pos_forward = _positions(spec)
     init = ["super().__init__()", "self.embed = nn.Embedding(VOCAB, D)", *pos_init]
     init.append("self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])")
-    step = ['ids = batch["input_ids"]', "B, T = ids.shape", "x = self.embed(ids)", *pos_forward]
+    step = ['ids = batch["input_ids"]', "B, T = ids.shape", "x = self.embed(ids)"]
+    if spec["features"] != "none":
+        init.append(f"self.features = nn.Linear({FEATURE_DIM}, D)")
+        step += [
+            'features = torch.tanh(self.features(batch["features"]))',
+            f"x = x.masked_scatter({FEATURE_MASKS[spec['features']]}, features)",
+        ]
+    step += pos_forward
     step += ["for block in self.blocks:", f"    x = block(x{_position_args(spec)})"]
+    if spec["assign"] == "sections":  # rotary sections written into a copy (Qwen3.5's)
+        step += ["x = x.clone()", "x[..., 1::3] = torch.tanh(x[..., 1::3])"]
     if spec["final_norm"] == "yes":
         init.append(f"self.norm = {_norm(spec)}")
         step.append("x = self.norm(x)")
@@ -415,6 +434,13 @@ def batch(spec: Spec, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     shape, out = (spec.batch, spec.length), sizes(spec)["out"]
     made = {"input_ids": torch.randint(0, VOCAB, shape, generator=generator)}
+    if spec["features"] != "none":  # a run of 1-4 placeholders in every sample, anywhere
+        for row in range(spec.batch):
+            run = int(torch.randint(1, 5, (), generator=generator))
+            start = int(torch.randint(0, spec.length - run + 1, (), generator=generator))
+            made["input_ids"][row, start : start + run] = VOCAB - 1
+        placeholders = int((made["input_ids"] == VOCAB - 1).sum())
+        made["features"] = torch.randn(placeholders, FEATURE_DIM, generator=generator)
     if spec["positions"] == "position_ids":
         made["position_ids"] = torch.arange(spec.length).expand(shape).clone()
     pooled = spec["head"].startswith("pool")
