@@ -65,3 +65,9 @@ def interval_verdict(interval: tuple[float, float] | None, relation: str, bound:
     inside = high <= bound if relation == "<=" else low >= bound
     outside = low > bound if relation == "<=" else high < bound
     return True if inside else (False if outside else None)
+
+
+def interval_text(interval: list[float] | None) -> str:
+    """A paired ratio's 95% interval ("" when there is none); three decimals, so that an end a hair over
+    a bound does not print as the bound."""
+    return "" if not interval else f"{interval[0]:.3f}-{interval[1]:.3f}"

@@ -51,11 +51,9 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    RESULTS,
     MiB,
     bench_command,
     code_version,
@@ -68,60 +66,13 @@ from benchmarks.common import (
 from benchmarks.length_search import is_out_of_memory, next_candidate
 from benchmarks.measure import allocator_peak, cuda_peak, profiled_step, saved_for_backward, timed
 from benchmarks.paired import paired_ratios
-from benchmarks.suites import DEFAULTS, PAIRED_REFERENCES, SUITES
+from benchmarks.report import write_outputs
+from benchmarks.suites import PAIRED_REFERENCES, parse_launch_args
+from benchmarks.summary import assemble
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
-    parser.add_argument("--models", nargs="+", help="presets of benchmarks/models.py")
-    parser.add_argument("--layers", type=int, help="cut every model to this many layers")
-    parser.add_argument("--methods", nargs="+", help="of: sac sp deepspeed ulysses alst ddp ring")
-    parser.add_argument("--seq-lens", nargs="+", type=int)
-    parser.add_argument("--headline-len", type=int, help="length of the timed and saved-bytes figures")
-    parser.add_argument("--parity-len", type=int, help="length of the single-device parity check")
-    parser.add_argument("--repeats", type=int)
-    parser.add_argument("--profiled-steps", type=int, help="CPU peak: least of this many profiled steps")
-    parser.add_argument("--budget-mib", type=float, help="per-rank memory budget of the length search")
-    parser.add_argument("--search", choices=("budget", "oom", "auto", "none"))
-    parser.add_argument("--granularity", type=int, help="searched lengths are multiples of this")
-    parser.add_argument("--search-steps", type=int, help="lengths the search may measure per method")
-    parser.add_argument("--search-tolerance", type=float, help="stop when over/under <= 1 + this")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--compiler", choices=("inductor", "aot_eager"))
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="of the parameters")
-    parser.add_argument("--autocast", choices=("none", "bfloat16"), help="bfloat16: bf16-mixed precision")
-    parser.add_argument("--device", choices=("cpu", "cuda"))
-    parser.add_argument("--nproc", type=int, help="ranks (default: 2 on CPU, every GPU on CUDA)")
-    parser.add_argument("--threads", type=int, help="torch threads per rank")
-    parser.add_argument("--deadline-s", type=float, help="start no new work after this many seconds")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<suite>.json)")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
-    args = parser.parse_args(argv)
-    for key, value in {**DEFAULTS, **SUITES[args.suite]}.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    args.out = args.out or RESULTS / f"{args.suite}.json"
-    if args.nproc is None:
-        args.nproc = _gpu_count() if args.device == "cuda" else 2
-    unknown = set(args.methods) - {"sac", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"}
-    if unknown:
-        parser.error(f"unknown methods {sorted(unknown)}")
-    for length in (args.headline_len, args.parity_len):
-        if length not in args.seq_lens:
-            args.seq_lens.append(length)
-    args.seq_lens = sorted(set(args.seq_lens))
-    if args.search == "auto":
-        args.search = "oom" if args.nproc == 1 else "budget"
-    if args.search == "oom" and args.nproc != 1:
-        parser.error("--search oom needs --nproc 1: an out-of-memory error on one rank would hang the others")
-    return args
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return max(torch.cuda.device_count(), 1)
+    return parse_launch_args(argv, description=__doc__.split("\n\n")[0])
 
 
 def plan(args: argparse.Namespace) -> dict:
@@ -481,8 +432,6 @@ def worker_main(args: argparse.Namespace) -> None:
     gathered: list | None = [None] * worker.world if worker.rank == 0 else None
     dist.gather_object({"rank": worker.rank, "results": results}, gathered, dst=0)
     if worker.rank == 0:
-        from benchmarks.report import assemble, write_outputs
-
         report = {
             "suite": args.suite,
             "command": bench_command("benchmarks.run", sys.argv[1:]),
@@ -503,8 +452,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps(plan(args), indent=1))
         return 0
-    from benchmarks.report import write_outputs  # benchmarks.report imports this module
-
     return launch_or_work("benchmarks.run", argv, args, write_report=write_outputs, work=worker_main)
 
 

@@ -6,7 +6,11 @@ overrides its suite's entry, and ``DEFAULTS`` fills what neither gives.
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
+
+from benchmarks.common import RESULTS
 
 SUITES: dict[str, dict[str, Any]] = {
     "cpu": {
@@ -92,3 +96,57 @@ DEFAULTS = {
 }
 REFERENCE_METHOD = "ulysses"  # step-time ratios are against hand-written Ulysses
 PAIRED_REFERENCES = (REFERENCE_METHOD, "sp")  # per-round ratios are kept against these
+
+
+def parse_launch_args(argv: list[str], description: str = "") -> argparse.Namespace:
+    """``benchmarks.run``'s options, a suite's entries filling what the command line leaves out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
+    parser.add_argument("--models", nargs="+", help="presets of benchmarks/models.py")
+    parser.add_argument("--layers", type=int, help="cut every model to this many layers")
+    parser.add_argument("--methods", nargs="+", help="of: sac sp deepspeed ulysses alst ddp ring")
+    parser.add_argument("--seq-lens", nargs="+", type=int)
+    parser.add_argument("--headline-len", type=int, help="length of the timed and saved-bytes figures")
+    parser.add_argument("--parity-len", type=int, help="length of the single-device parity check")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--profiled-steps", type=int, help="CPU peak: least of this many profiled steps")
+    parser.add_argument("--budget-mib", type=float, help="per-rank memory budget of the length search")
+    parser.add_argument("--search", choices=("budget", "oom", "auto", "none"))
+    parser.add_argument("--granularity", type=int, help="searched lengths are multiples of this")
+    parser.add_argument("--search-steps", type=int, help="lengths the search may measure per method")
+    parser.add_argument("--search-tolerance", type=float, help="stop when over/under <= 1 + this")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--compiler", choices=("inductor", "aot_eager"))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="of the parameters")
+    parser.add_argument("--autocast", choices=("none", "bfloat16"), help="bfloat16: bf16-mixed precision")
+    parser.add_argument("--device", choices=("cpu", "cuda"))
+    parser.add_argument("--nproc", type=int, help="ranks (default: 2 on CPU, every GPU on CUDA)")
+    parser.add_argument("--threads", type=int, help="torch threads per rank")
+    parser.add_argument("--deadline-s", type=float, help="start no new work after this many seconds")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/<suite>.json)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
+    args = parser.parse_args(argv)
+    for key, value in {**DEFAULTS, **SUITES[args.suite]}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.out = args.out or RESULTS / f"{args.suite}.json"
+    if args.nproc is None:
+        args.nproc = _gpu_count() if args.device == "cuda" else 2
+    unknown = set(args.methods) - {"sac", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"}
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}")
+    for length in (args.headline_len, args.parity_len):
+        if length not in args.seq_lens:
+            args.seq_lens.append(length)
+    args.seq_lens = sorted(set(args.seq_lens))
+    if args.search == "auto":
+        args.search = "oom" if args.nproc == 1 else "budget"
+    if args.search == "oom" and args.nproc != 1:
+        parser.error("--search oom needs --nproc 1: an out-of-memory error on one rank would hang the others")
+    return args
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return max(torch.cuda.device_count(), 1)

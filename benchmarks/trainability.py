@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ROOT, MiB, code_version, machine_info, write_report
-from benchmarks.paired import interval_verdict
-from benchmarks.report import assemble, interval_text
-from benchmarks.run import parse_args as parse_launch
+from benchmarks.paired import interval_text, interval_verdict
 from benchmarks.suites import SUITES
+from benchmarks.suites import parse_launch_args as parse_launch
+from benchmarks.summary import assemble
 
 # name -> benchmarks.run arguments; sp is every rank (one sp group). The budget shrinks with the bytes per
 # token of a rank (half in bf16, half again at sp=4) so that every configuration searches about the same

@@ -137,7 +137,7 @@ def test_median_interval_is_the_order_statistics_that_hold_95_percent() -> None:
 
 
 def test_paired_intervals_come_from_the_slowest_ranks_rounds() -> None:
-    from benchmarks.report import _paired_intervals
+    from benchmarks.summary import _paired_intervals
 
     def rank(sp: list[float], ulysses: list[float]) -> dict:
         return {m: {"timing": {"step_times_s": t}} for m, t in (("sp", sp), ("ulysses", ulysses))}
