@@ -26,6 +26,7 @@ row numbered by the placeholders before it, which the rules handle over a sharde
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -260,6 +261,9 @@ def _pool_as_reduction(graph: fx.Graph, node: fx.Node) -> bool:
 #     [B, S] integers, not an element per hidden unit.
 
 
+_SCATTER_ARGS = ((0, "input"), (1, "mask"), (2, "source"))  # ``self`` of the method is its input
+
+
 def _is_masked_scatter(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target == "masked_scatter"
@@ -270,7 +274,7 @@ def _scatter_as_gather(graph: fx.Graph, node: fx.Node) -> bool:
     """``x.masked_scatter(mask, source)`` -> ``where(mask, rows[number], x)`` (Note [Features at
     placeholders]). False (the call kept) where the mask's rows are not over whole, fixed-size trailing
     dims or ``source`` has no whole row."""
-    x, mask, source = (*node.args, *node.kwargs.values())[:3]
+    x, mask, source = (node.args[i] if len(node.args) > i else node.kwargs.get(k) for i, k in _SCATTER_ARGS)
     values = [example_value(v) for v in (x, mask, source)]
     if any(v is None for v in values) or values[1].dtype != torch.bool or values[1].dim() > values[0].dim():
         return False
@@ -282,9 +286,7 @@ def _scatter_as_gather(graph: fx.Graph, node: fx.Node) -> bool:
     trailing = list(x_value.shape[last + 1 :])
     if not all(isinstance(size, int) for size in trailing) or not isinstance(source_value.numel(), int):
         return False
-    width = 1
-    for size in trailing:
-        width *= size
+    width = math.prod(trailing)
     rows = source_value.numel() // width
     if rows == 0 or last < 0:
         return False
