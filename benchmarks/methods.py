@@ -255,12 +255,17 @@ class Ulysses(Method):
 
     def __init__(self, spec: ModelSpec, ctx: RunContext) -> None:
         super().__init__(spec, ctx)
-        require("deepspeed", extra="bench", needed_by="hand-written Ulysses (benchmarks.methods)")
+        require("deepspeed", extra="bench", needed_by=f"{self.label} (benchmarks.methods)")
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=dist.get_backend(ctx.group), verbose=False)
-        model = self._build("ulysses", ctx.group)
-        self.fn = torch.compile(sharded_loss(spec, model), backend=ctx.compiler, dynamic=False)
+        self.fn = self._sharded_step()
+
+    def _sharded_step(self) -> Callable[[Tensor, Tensor, Tensor, int], Tensor]:
+        """The model (DeepSpeed's ``DistributedAttention`` in every layer) and its step over this rank's
+        slice, compiled with plain ``torch.compile``."""
+        model = self._build("ulysses", self.ctx.group)
+        return torch.compile(sharded_loss(self.spec, model), backend=self.ctx.compiler, dynamic=False)
 
     def prepare(self, ids: Tensor) -> Prepared:
         ctx = self.ctx
@@ -281,16 +286,13 @@ class Ulysses(Method):
 class ALST(Ulysses):
     name, label = "alst", "ALST-style (Ulysses, layers checkpointed, tiled MLP and loss)"
 
-    def __init__(self, spec: ModelSpec, ctx: RunContext) -> None:  # Ulysses' step, ALST's model and loss
-        Method.__init__(self, spec, ctx)
-        require("deepspeed", extra="bench", needed_by="the ALST-style baseline (benchmarks.alst)")
-        import deepspeed
-
+    def _sharded_step(self) -> Callable[[Tensor, Tensor, Tensor, int], Tensor]:
+        """Ulysses' model with ALST's levers, and its step with the tiled loss; eager, as ArcticTraining runs
+        it (``TiledFusedLogitsLoss`` runs backward inside forward)."""
         from benchmarks.alst import alst_loss, alst_model
 
-        deepspeed.init_distributed(dist_backend=dist.get_backend(ctx.group), verbose=False)
-        self._model = alst_model(spec, ctx.group).to(ctx.device, ctx.dtype)
-        self.fn = alst_loss(spec, self._model)  # eager: TiledFusedLogitsLoss runs backward in forward
+        self._model = alst_model(self.spec, self.ctx.group).to(self.ctx.device, self.ctx.dtype)
+        return alst_loss(self.spec, self._model)
 
 
 class DDP(Method):
