@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import inspect
+from collections.abc import Callable
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -41,8 +42,8 @@ def order_collectives(graph: fx.Graph, *, backward: bool) -> None:
     if any("seq_nr" not in node.meta for node in collectives):
         return
     position = {node: index for index, node in enumerate(graph.nodes)}
-    wanted = sorted(
-        collectives, key=lambda n: (-n.meta["seq_nr"] if backward else n.meta["seq_nr"], position[n])
+    wanted = _canonical_order(
+        graph, collectives, key=lambda n: (-n.meta["seq_nr"] if backward else n.meta["seq_nr"], position[n])
     )
     if wanted == collectives:
         return
@@ -69,6 +70,38 @@ def order_collectives(graph: fx.Graph, *, backward: bool) -> None:
     for node in order[1:]:
         last.append(node)
         last = node
+
+
+def _canonical_order(graph: fx.Graph, collectives: list[fx.Node], key: Callable) -> list[fx.Node]:
+    """The collectives by ``key``, except that one computed from another comes after it.
+
+    Sorting by ``key`` alone can contradict the data: a collective that backward re-runs (Note [Layers
+    that recompute attention] in ``memory_policy.py``) keeps its forward op's ``seq_nr``, and in a
+    backward the attention output's all-to-all (a later forward op) is rebuilt from the q/k/v
+    all-to-all (an earlier one). So the order is the topological order of the collectives' dependencies
+    that takes the smallest key whenever several are ready; where sorting agrees with the data, the two
+    orders are the same.
+    """
+    bit = {node: 1 << index for index, node in enumerate(collectives)}
+    upstream: dict[fx.Node, int] = {}  # the collectives each node is computed from, as bits
+    for node in graph.nodes:
+        mask = 0
+        for source in node.all_input_nodes:
+            mask |= upstream[source] | bit.get(source, 0)
+        upstream[node] = mask
+    pending = {node: upstream[node] for node in collectives}
+    ready = [(key(node), index, node) for index, node in enumerate(collectives) if not pending[node]]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        for index, other in enumerate(collectives):
+            if pending[other] & bit[node]:
+                pending[other] &= ~bit[node]
+                if not pending[other]:
+                    heapq.heappush(ready, (key(other), index, other))
+    return order
 
 
 def collectives_in_order(graph: fx.Graph) -> list[fx.Node]:
