@@ -97,7 +97,12 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             the first integer tensor); every tensor with that length along ``seq_dim`` is sharded.
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
         sac: sequence-aware activation checkpointing: True (recompute all but attention and
-            collectives), "auto" (within 10% of the step's FLOPs, from a FLOP model), or False.
+            collectives), "auto" (within 10% of the step's FLOPs, from a FLOP model), "longest" (every
+            layer keeps only its input and rebuilds attention and its all-to-alls in backward too:
+            ALST's trade, for the longest sequences), or False.
+        activation_budget: with sac True or "auto", bytes of activations a rank may keep for backward
+            (per compiled graph); layers rebuild attention and its all-to-alls, most bytes freed per
+            FLOP first, until SAC's saves fit, and ``explain()`` says which (None: SAC's saves as they are).
         sac_tile_bytes: with SAC on, a row-wise region (an MLP, its rebuild in backward) whose widest
             inner value has at least this many bytes runs over tiles of tokens (default 1 MiB; None: never).
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of ``loss_chunk_tokens``
@@ -136,8 +141,9 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         seq_dim: int = 1,
         sequence_keys: Sequence[str] | None = None,
         compiler: Compiler = "inductor",
-        sac: bool | str = True,
+        sac: bool | Literal["auto", "longest"] = True,
         sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
+        activation_budget: int | None = None,
         ulysses_degree: int | Literal["auto"] | None = None,
         ring_layout: RingLayout = "zigzag",
         chunked_loss: bool = True,
@@ -167,6 +173,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             "compiler": compiler,
             "sac": sac,
             "sac_tile_bytes": sac_tile_bytes,
+            "activation_budget": activation_budget,
             "ulysses_degree": ulysses_degree,
             "ring_layout": ring_layout,
             "chunked_loss": chunked_loss,
@@ -229,7 +236,9 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self._ulysses_degree: int | None = None if ulysses_degree == "auto" else ulysses_degree
         self.ring_layout: RingLayout = ring_layout
         self._ring_mesh: DeviceMesh | None = None
-        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes)
+        check_backend_options(
+            compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes, activation_budget
+        )
         self.loss_options = {"chunked_loss": chunked_loss, "loss_chunk_tokens": loss_chunk_tokens}
         self._sp_size = sp_size
         self.seq_dim = seq_dim
@@ -237,6 +246,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self.compiler: Compiler = compiler
         self.sac = sac
         self.sac_tile_bytes = sac_tile_bytes
+        self.activation_budget = activation_budget
         self.sequence_shard: SequenceShard | None = None
         self._device_mesh: DeviceMesh | None = None
         self._sequence_tags = SequenceTags()
@@ -536,6 +546,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             compiler=self.compiler,
             sac=self.sac,
             sac_tile_bytes=self.sac_tile_bytes,
+            activation_budget=self.activation_budget,
             **self.loss_options,
         )
 

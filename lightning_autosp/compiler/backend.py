@@ -28,18 +28,36 @@ from lightning_autosp.compiler.symbols import graph_shape_env
 Compiler = Literal["inductor", "aot_eager"]
 
 
+# What ``sac`` may be, and the partitioner's mode for each (compiler/sac.py).
+SAC_VALUES = (True, False, "auto", "longest")
+_SAC_MODES = {True: "all", False: "off", "auto": "auto", "longest": "longest"}
+
+
 def check_backend_options(
     compiler: object,
     sac: object,
     chunked_loss: object = True,
     loss_chunk_tokens: object = None,
     sac_tile_bytes: object = DEFAULT_TILE_BYTES,
+    activation_budget: object = None,
 ) -> None:
     """Raise on a backend option value the backend does not know (before any process starts)."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r} is not supported; use 'inductor' or 'aot_eager'.")
-    if sac not in (True, False, "auto"):
-        raise ValueError(f"sac={sac!r} is not supported; use True, False or 'auto'.")
+    if not any(sac is value or (isinstance(sac, str) and sac == value) for value in SAC_VALUES):
+        raise ValueError(f"sac={sac!r} is not supported; use True, False, 'auto' or 'longest'.")
+    if activation_budget is not None:
+        bytes_given = isinstance(activation_budget, int) and not isinstance(activation_budget, bool)
+        if not bytes_given or activation_budget < 0:
+            raise ValueError(
+                f"activation_budget={activation_budget!r} must be a number of bytes per rank (0 sends every "
+                "layer, as sac='longest' does), or None for SAC's saves as they are."
+            )
+        if sac not in (True, "auto"):
+            raise ValueError(
+                f"activation_budget needs sac=True or sac='auto' (it is sac={sac!r}): the budget decides "
+                "which layers of SAC's also rebuild attention; sac='longest' sends every layer without one."
+            )
     if sac_tile_bytes is not None and (
         not isinstance(sac_tile_bytes, int) or isinstance(sac_tile_bytes, bool) or sac_tile_bytes < 0
     ):
@@ -70,8 +88,12 @@ class AutoSPBackend:
         compiler: "inductor" generates code; "aot_eager" runs the same passes and partitioning
             without code generation (fast to compile; for tests and debugging).
         sac: True recomputes everything but attention and collectives in backward; "auto" recomputes
-            what fits in 10% of the step's FLOPs, cheapest per byte first; False saves as PyTorch's
-            min-cut partitioner decides (``compiler/sac.py``).
+            what fits in 10% of the step's FLOPs, cheapest per byte first; "longest" recomputes
+            attention and its collectives too, keeping only each layer's input (Note [Layers that
+            recompute attention] in ``compiler/memory_policy.py``); False saves as PyTorch's min-cut
+            partitioner decides (``compiler/sac.py``).
+        activation_budget: with sac True or "auto", the bytes of activations a rank may keep for
+            backward per graph; layers rebuild attention and its collectives until SAC's saves fit.
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of tokens without
             materializing the logits (``compiler/chunked_loss.py``); reports in ``loss_reports``.
         loss_chunk_tokens: tokens per chunk; None keeps a chunk's logits within 2**26 elements.
@@ -93,8 +115,11 @@ class AutoSPBackend:
         chunked_loss: bool = True,
         loss_chunk_tokens: int | None = None,
         sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
+        activation_budget: int | None = None,
     ) -> None:
-        check_backend_options(compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes)
+        check_backend_options(
+            compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes, activation_budget
+        )
         self.context = context
         self.tags = tags if tags is not None else SequenceTags()
         self._guards_checked: set[int] = set()
@@ -105,7 +130,7 @@ class AutoSPBackend:
         self.reports: list[SPReport] = []
         self.loss_reports: list[ChunkedLossReport] = []
         self.partitioner = SequenceAwarePartitioner(
-            {True: "all", False: "off", "auto": "auto"}[sac], tile_bytes=sac_tile_bytes
+            _SAC_MODES[sac], tile_bytes=sac_tile_bytes, activation_budget=activation_budget
         )
 
     def mark_sharded(self, tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:

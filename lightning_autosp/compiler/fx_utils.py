@@ -258,3 +258,21 @@ def aten_fake_value(node: fx.Node) -> object:
     mode = detect_fake_mode(tensors) if tensors else None
     with mode or contextlib.nullcontext(), enable_python_dispatcher():
         return node.target(*args, **kwargs)
+
+
+def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
+    """Nodes of a joint graph that do not depend on a tangent, i.e. the forward computation."""
+    backward: set[fx.Node] = set()
+    forward = []
+    for node in joint.graph.nodes:
+        if node.op == "placeholder":
+            if "tangents" in node.name:
+                backward.add(node)
+            continue
+        if node.op == "output":
+            continue
+        if any(n in backward for n in node.all_input_nodes):
+            backward.add(node)
+        else:
+            forward.append(node)
+    return forward

@@ -8,7 +8,7 @@ and collectives are tagged ``MUST_SAVE``: attention is the expensive op, and a r
 collective would talk to other ranks again in backward.
 
 Parameters sharded by ``data_parallel="fsdp"`` are all-gathered in the graph; those gathers are the one
-collective backward re-runs (Note [Gathered parameters in backward]).
+collective backward re-runs (Note [Gathered parameters in backward] in ``parameter_gathers.py``).
 
 Used through ``torch._inductor.config.custom_partitioner_fn`` (patched for one compile via
 ``compile_fx(config_patches=...)``) or as AOTAutograd's ``partition_fn``: no process-wide state.
@@ -16,7 +16,6 @@ Used through ``torch._inductor.config.custom_partitioner_fn`` (patched for one c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import operator
@@ -31,16 +30,28 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-from lightning_autosp.compiler import row_sums, symbols, tiling
-from lightning_autosp.compiler.fx_utils import ancestors, value_of
+from lightning_autosp.compiler import memory_policy, ordering, parameter_gathers, row_sums, symbols, tiling
+from lightning_autosp.compiler.fx_utils import ancestors, forward_nodes, value_of
+from lightning_autosp.compiler.memory_policy import (
+    AttentionRecompute,
+    choose_layers,
+    kept_bytes,
+    layer_saves,
+    send_layers,
+)
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.ordering import order_collectives
+from lightning_autosp.compiler.parameter_gathers import (
+    cast_before_parameter_gathers,
+    is_parameter_all_gather,
+    tag_parameter_gathers,
+)
 from lightning_autosp.compiler.tiling import tile_rows_pass
 from lightning_autosp.compiler.tiling_rules import node_bytes
 
 log = logging.getLogger(__name__)
 
-SACMode = Literal["all", "auto", "off"]
+SACMode = Literal["all", "auto", "longest", "off"]
 # Regions SAC rebuilds are run over tiles of rows when their widest inner value is at least this big.
 DEFAULT_TILE_BYTES = 1 << 20
 
@@ -64,31 +75,9 @@ def _op_name(node: fx.Node) -> str:
     return getattr(overload, "__name__", "") if overload is not None else ""
 
 
-def _is_parameter_all_gather(node: fx.Node) -> bool:
-    return _op_name(node) == "all_gather_into_tensor" and is_collective(node)
-
-
 def _is_random(node: fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
-
-
-def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
-    """Nodes of a joint graph that do not depend on a tangent, i.e. the forward computation."""
-    backward: set[fx.Node] = set()
-    forward = []
-    for node in joint.graph.nodes:
-        if node.op == "placeholder":
-            if "tangents" in node.name:
-                backward.add(node)
-            continue
-        if node.op == "output":
-            continue
-        if any(n in backward for n in node.all_input_nodes):
-            backward.add(node)
-        else:
-            forward.append(node)
-    return forward
 
 
 _NORMALIZATION_OPS = {"native_layer_norm", "var_mean", "_fused_rms_norm", "rms_norm"}
@@ -177,7 +166,7 @@ def _costly_to_rebuild(node: fx.Node) -> bool:
         if current in seen or current.op != "call_function":
             continue
         seen.add(current)
-        if node_flops(current) > 0 or _is_parameter_all_gather(current):
+        if node_flops(current) > 0 or is_parameter_all_gather(current):
             return True
         stack.extend(current.all_input_nodes)
     return False
@@ -217,123 +206,6 @@ def tag_recompute_policy(joint: fx.GraphModule, recomputable: set[fx.Node] | Non
         node.meta.setdefault("ac_graph_id", 0)
         counts[policy.name] += 1
     return counts
-
-
-# ----------------------------------------------------------------------------------------- parameter gathers
-# data_parallel="fsdp" all-gathers each sharded parameter in the graph (lightning_autosp/fsdp.py).
-
-_NO_INPUT = object()
-_SHAPE_OPS = {"view", "_unsafe_view", "reshape", "alias", "slice", "narrow"}
-
-
-def cast_before_parameter_gathers(joint: fx.GraphModule) -> int:
-    """Move autocast's cast of a gathered parameter in front of its all-gather; return how many moved.
-
-    ::
-
-        weight_shard fp32 [out/W, in] -> all_gather -> wait -> view -> _to_copy(bf16) -> mm
-        weight_shard fp32 [out/W, in] -> _to_copy(bf16) -> all_gather -> wait -> view -> mm
-
-    Exact (an all-gather only moves elements) and half the bytes on the wire and in the gathered copy,
-    in forward and in backward's re-gather. Only where every use of the gathered parameter is the same
-    cast to a narrower dtype (matmul weights under autocast); a norm's weight, used in fp32, stays.
-    Gradients are untouched: their reduce-scatter is built from backward nodes, in the parameter's dtype.
-    """
-    moved = 0
-    for gather in [n for n in joint.graph.nodes if _is_parameter_all_gather(n)]:
-        chain, end = [gather], gather
-        while len(end.users) == 1:
-            (user,) = end.users
-            reshapes = _op_name(user) == "wait_tensor" or _op_name(user) in _SHAPE_OPS
-            if not reshapes or user.args[0] is not end:
-                break
-            chain.append(user)
-            end = user
-        casts = list(end.users)
-        dtypes = {_cast_dtype(c) for c in casts}
-        source = value_of(gather.args[0])
-        if _op_name(chain[-1]) == "all_gather_into_tensor" or len(dtypes) != 1 or None in dtypes:
-            continue
-        (dtype,) = dtypes
-        if not isinstance(source, torch.Tensor) or dtype.itemsize >= source.dtype.itemsize:
-            continue
-        shard = gather.args[0]
-        with joint.graph.inserting_before(gather):
-            # prims' cast, not aten._to_copy: Inductor has decomposed the joint graph already
-            cast_op = torch.ops.prims.convert_element_type.default
-            early_cast = joint.graph.call_function(cast_op, (shard, dtype))
-        gather.replace_input_with(shard, early_cast)
-        for node in [early_cast, *chain]:
-            _set_dtype(node, dtype, like=shard if node is early_cast else node)
-        for cast in casts:
-            cast.replace_all_uses_with(end)
-            joint.graph.erase_node(cast)
-        moved += 1
-    if moved:
-        joint.recompile()
-    return moved
-
-
-def _cast_dtype(node: fx.Node) -> torch.dtype | None:
-    """The dtype a pure dtype cast converts to, else None."""
-    if _op_name(node) == "_to_copy" and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
-        return node.kwargs["dtype"]
-    if _op_name(node) == "convert_element_type":
-        return node.args[1]
-    return None
-
-
-def _set_dtype(node: fx.Node, dtype: torch.dtype, like: fx.Node) -> None:
-    value = like.meta["val"]
-    with torch._guards.detect_fake_mode([value]) or contextlib.nullcontext():
-        node.meta["val"] = value.to(dtype)
-    node.meta.pop("tensor_meta", None)
-
-
-def tag_parameter_gathers(joint: fx.GraphModule) -> int:
-    """Tag ``MUST_RECOMPUTE`` on the forward ops that rebuild a whole parameter from its shard.
-
-    Note [Gathered parameters in backward]
-        Under ``data_parallel="fsdp"`` a parameter is its rank's shard, a graph input, all-gathered
-        where it is used (``lightning_autosp/fsdp.py``)::
-
-            weight_shard [out/W, in] -> (cast) -> all_gather -> wait -> (narrow padding) -> weight [out, in]
-
-        Saving ``weight`` for backward would keep every parameter whole from its use in forward to
-        backward: the whole model at the step's peak, which is what sharding is for. Recomputing the
-        chain re-gathers each parameter in backward right before its gradient needs it, as FSDP's
-        reshard-after-forward does. This is the one collective re-run in backward; SP's all-to-alls
-        move activations, which would cost a second round of traffic of the sequence's size.
-
-    A node is in such a chain when its only graph input is one primal and an all-gather is among its
-    ancestors, is itself one, or is fed by it (a cast in front of the gather). Returns the number of
-    nodes tagged; SAC's mode does not matter.
-    """
-    # The one primal each node is computed from; None when several (or a tangent), _NO_INPUT for
-    # nodes computed from no input (constants, the padding of an uneven shard).
-    source: dict[fx.Node, object] = {
-        n: n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in n.name
-    }
-    gathered: set[fx.Node] = set()
-    for node in forward_nodes(joint):
-        sources = {source.get(n) for n in node.all_input_nodes} - {_NO_INPUT}
-        source[node] = sources.pop() if len(sources) == 1 else (_NO_INPUT if not sources else None)
-        if not isinstance(source[node], fx.Node) or node.op != "call_function":
-            continue
-        if _is_parameter_all_gather(node) or any(n in gathered for n in node.all_input_nodes):
-            gathered.add(node)
-    feeding = [n for n in gathered if _is_parameter_all_gather(n)]
-    while feeding:  # what is computed from the shard before the gather (a cast, padding)
-        node = feeding.pop()
-        for input_node in node.all_input_nodes:
-            from_shard = input_node.op == "call_function" and isinstance(source.get(input_node), fx.Node)
-            if from_shard and input_node not in gathered:
-                gathered.add(input_node)
-                feeding.append(input_node)
-    for node in gathered:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        node.meta.setdefault("ac_graph_id", 0)
-    return len(gathered)
 
 
 def node_flops(node: fx.Node) -> int:
@@ -403,6 +275,8 @@ class SACReport:
     tiles: int = 0  # the most tiles one of them runs in
     # attention backwards given their output's row sums, not the output (row_sums.py)
     attention_outputs_by_row_sums: int = 0
+    # layers that rebuild attention and its collectives in backward (memory_policy.py)
+    attention_recompute: AttentionRecompute | None = None
 
     def line(self) -> str:
         share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
@@ -418,6 +292,8 @@ class SACReport:
             text += f", {self.tiled_regions} row-wise regions run in up to {self.tiles} tiles of tokens"
         if self.attention_outputs_by_row_sums:
             text += f", {self.attention_outputs_by_row_sums} attention outputs replaced by their row sums"
+        if self.attention_recompute is not None:
+            text += f"; {self.attention_recompute.line()}"
         return f"{text}; {self.reason}" if self.reason else text
 
 
@@ -438,7 +314,7 @@ def summarize_partition(
     collectives = sum(
         1 for n in backward.graph.nodes if n.op == "call_function" and is_collective(n, waits=False)
     )
-    gathers = sum(1 for n in backward.graph.nodes if n.op == "call_function" and _is_parameter_all_gather(n))
+    gathers = sum(1 for n in backward.graph.nodes if n.op == "call_function" and is_parameter_all_gather(n))
     return SACReport(
         mode, saved_bytes, len(recomputed), recomputed_flops, 3 * forward_flops, collectives, reason, gathers
     )
@@ -449,17 +325,26 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
 
     Args:
         mode: "all" recomputes every op but attention, collectives and random ops; "auto" picks
-            ops within ``overhead`` of the step's FLOPs (``choose_recomputable``); "off" tags
-            nothing (PyTorch's own min-cut choices) and only reports.
+            ops within ``overhead`` of the step's FLOPs (``choose_recomputable``); "longest" is "all"
+            with every layer rebuilding its attention and collectives too (Note [Layers that recompute
+            attention] in ``memory_policy.py``); "off" tags nothing (PyTorch's own min-cut choices)
+            and only reports.
+        activation_budget: with "all" or "auto", bytes the forward may hand to backward; layers
+            rebuild attention and its collectives, most bytes per FLOP first, until SAC's saves fit.
         tile_bytes: with SAC on, a row-wise region of either graph (an MLP, its rebuild, its backward)
             whose widest inner value is at least this many bytes runs over tiles of tokens
             (Note [Row tiling] in ``tiling.py``); None never tiles.
     """
 
     def __init__(
-        self, mode: SACMode = "all", overhead: float = 0.1, tile_bytes: int | None = DEFAULT_TILE_BYTES
+        self,
+        mode: SACMode = "all",
+        overhead: float = 0.1,
+        tile_bytes: int | None = DEFAULT_TILE_BYTES,
+        activation_budget: int | None = None,
     ) -> None:
         self.mode = mode
+        self.activation_budget = activation_budget
         self.overhead = overhead
         self.tile_bytes = tile_bytes
         self.last_counts: Counter = Counter()
@@ -468,14 +353,16 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        reason, by_row_sums = "", 0
+        reason, by_row_sums, attention_recompute = "", 0, None
         if self.mode != "off":
             # Before tagging: what backward reads decides what the partitioner saves.
             by_row_sums = row_sums.hand_attention_output_by_row_sums(gm)
             recomputable, reason = (
-                (None, "") if self.mode == "all" else choose_recomputable(gm, self.overhead)
+                choose_recomputable(gm, self.overhead) if self.mode == "auto" else (None, "")
             )
             self.last_counts = tag_recompute_policy(gm, recomputable)
+            if self.mode == "longest" or self.activation_budget is not None:
+                attention_recompute = self._send_layers(gm)
         cast_gathers = cast_before_parameter_gathers(gm)
         self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
         forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
@@ -489,16 +376,37 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
             graph_module.recompile()
         report.gathers_in_compute_dtype = cast_gathers
         report.attention_outputs_by_row_sums = by_row_sums
+        report.attention_recompute = attention_recompute
         report.tiled_regions = sum(t.regions for t in tilings)
         report.tiles = max((t.tiles for t in tilings), default=0)
         self.reports.append(report)
         log.info(report.line())
         return forward, backward
 
+    def _send_layers(self, joint: fx.GraphModule) -> AttentionRecompute:
+        """Tag the layers that rebuild attention and its collectives (Note [Layers that recompute
+        attention] in ``memory_policy.py``)."""
+        forward = forward_nodes(joint)
+        is_attention = lambda node: _op_name(node) in _ATTENTION_OPS
+        layers = layer_saves(forward, layer_boundaries(joint), is_attention, node_flops)
+        budget = None if self.mode == "longest" else self.activation_budget
+        choice = choose_layers(layers, kept_bytes(forward), budget)
+        send_layers(layers, choice)
+        return choice
+
     def uuid(self) -> Any:
         # Inductor's FX graph and AOTAutograd caches key on this, so it must change with everything
-        # that changes the partition: this file's code and every setting.
-        files = (__file__, tiling.__file__, row_sums.__file__)
-        return get_hash_for_files(
-            files, extra=f"mode={self.mode!r} overhead={self.overhead!r} tile={self.tile_bytes}"
+        # that changes the partition: the code of the passes it runs and every setting.
+        files = (
+            __file__,
+            tiling.__file__,
+            row_sums.__file__,
+            memory_policy.__file__,
+            parameter_gathers.__file__,
+            ordering.__file__,
         )
+        extra = (
+            f"mode={self.mode!r} overhead={self.overhead!r} tile={self.tile_bytes} "
+            f"budget={self.activation_budget}"
+        )
+        return get_hash_for_files(files, extra=extra)

@@ -118,6 +118,16 @@ CASES = {
     "llama_len61_b1_inductor_tiled": Case(
         LlamaModule, seq_len=61, batch_size=1, strategy_kwargs={"compiler": "inductor", "sac_tile_bytes": 0}
     ),
+    # Every layer rebuilds attention and its all-to-alls in backward (Note [Layers that recompute
+    # attention]): the rebuilt all-to-alls and the gradients' run in one order on ranks of 31 and 30 tokens.
+    "llama_len61_b1_inductor_longest": Case(
+        LlamaModule, seq_len=61, batch_size=1, strategy_kwargs={"compiler": "inductor", "sac": "longest"}
+    ),
+    # A budget of 100 KiB sends one of the two layers: SAC tags about 147 KiB of this step to keep, a layer
+    # rebuilding its attention frees about 70 KiB of it.
+    "gpt_len61_activation_budget": Case(
+        GPTModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"activation_budget": 100 << 10}
+    ),
     # Chunked LM head + loss, 5 tokens a chunk: uneven shards (31 + 30), ragged last chunks, ignored labels.
     "gpt_chunked_loss": Case(
         GPTModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"loss_chunk_tokens": 5}
@@ -395,6 +405,13 @@ def run_case(name: str, case: Case) -> dict:
         "backward_parameter_gathers": sum(r.parameter_gathers for b in backends for r in b.sac_reports),
         "gathers_in_compute_dtype": sum(r.gathers_in_compute_dtype for b in backends for r in b.sac_reports),
         "tiled_regions": sum(r.tiled_regions for b in backends for r in b.sac_reports),
+        "backward_collectives": sum(r.backward_collectives for b in backends for r in b.sac_reports),
+        "layers_rebuilding_attention": sum(
+            len(report.attention_recompute.chosen)
+            for b in backends
+            for report in b.sac_reports
+            if report.attention_recompute
+        ),
         "checkpoint_keys_match": saved_keys == set(module.state_dict()),
         "sharded": all(isinstance(p, DTensor) for p in trained.parameters()),
         "explain": strategy.explain(),

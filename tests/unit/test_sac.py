@@ -12,10 +12,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from benchmarks.measure import allocator_peak
 from lightning_autosp.compiler.backend import AutoSPBackend
+from lightning_autosp.compiler.fx_utils import forward_nodes
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.sac import (
     SequenceAwarePartitioner,
-    forward_nodes,
     layer_boundaries,
     recompute_policy,
     tag_recompute_policy,
@@ -254,3 +254,27 @@ def test_a_rebuilding_backward_frees_each_buffer_at_its_last_use() -> None:
             step(x).sum().backward()
         seen[sac] = list(reuse_seen)
     assert seen == {True: [True, False], False: [True, True]}, seen
+
+
+@pytest.mark.parametrize("sac, budget", [("longest", None), (True, 0)])
+def test_longest_rebuilds_attention_and_its_collectives_in_backward(gloo_group: str, sac, budget) -> None:
+    """Note [Layers that recompute attention]: every layer keeps only its input; backward re-runs each
+    forward all-to-all (twice the collectives of SAC's backward) and gives the same loss and gradients."""
+    module, ids = _module(), _ids()
+    context = SPContext(SequenceShard.balanced(ids.shape[1], 1, 0), gloo_group)
+    results, reports = {}, {}
+    for name, options in (("sac", {"sac": True}), ("longest", {"sac": sac, "activation_budget": budget})):
+        backend = AutoSPBackend(context, compiler="aot_eager", **options)
+        results[name] = _step(module, backend, ids)
+        (reports[name],) = backend.sac_reports
+    _assert_same(results["longest"], results["sac"])
+    _assert_same(results["longest"], _step(module, None, ids), rtol=1e-5)
+    longest, sac_report = reports["longest"], reports["sac"]
+    choice = longest.attention_recompute
+    assert choice is not None and choice.chosen == (0, 1) and choice.layers == 2
+    # each layer's q/k/v and output all-to-alls, and the loss's all-reduce: this GPT has no final norm,
+    # so no saved boundary cuts the head from the last layer
+    assert choice.added_collectives == 2 * 2 + 1
+    assert longest.backward_collectives == sac_report.backward_collectives + choice.added_collectives
+    assert longest.saved_bytes < sac_report.saved_bytes / 2, (longest.saved_bytes, sac_report.saved_bytes)
+    assert "2 of 2 layers rebuild attention" in longest.line()
