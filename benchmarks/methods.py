@@ -14,6 +14,8 @@ but DeepSpeed's, whose ``engine.backward`` does its own. No method builds an opt
 ``sac``        this project: ``AutoSPBackend(sac=True)`` (SP pass + sequence-aware checkpointing), each
                rank gets its shard from ``shard_batch``; the single-device step compiled unchanged
 ``sp``         the same without SAC (PyTorch's min-cut partitioner)
+``longest``    the same with ``sac="longest"``: every layer keeps only its input and rebuilds attention and
+               its all-to-alls in backward too (ALST's trade, chosen by the compiler)
 ``deepspeed``  DeepSpeed's AutoSP as its docs and examples drive it: ``deepspeed.initialize`` with
                ``{"compile": {"deepcompile": true, "passes": ["autosp"]}, "sequence_parallel_size": P}``,
                ``engine.compile()``, and every step ``prepare_autosp_inputs(input_ids, labels,
@@ -145,7 +147,7 @@ class Method:
 class Ours(Method):
     """This project's compiler backend on the single-device step (``sac`` or ``sp``)."""
 
-    sac: ClassVar[bool]
+    sac: ClassVar[bool | str]
 
     def __init__(self, spec: ModelSpec, ctx: RunContext) -> None:
         super().__init__(spec, ctx)
@@ -191,6 +193,10 @@ class OursSAC(Ours):
 
 class OursSP(Ours):
     name, label, sac = "sp", "ours: SP", False
+
+
+class OursLongest(Ours):
+    name, label, sac = "longest", "ours: SP + SAC, longest", "longest"
 
 
 class DeepSpeedAutoSP(Method):
@@ -357,7 +363,7 @@ class Ring(Method):
 
 
 METHODS: dict[str, type[Method]] = {
-    m.name: m for m in (OursSAC, OursSP, DeepSpeedAutoSP, Ulysses, ALST, DDP, Ring)
+    m.name: m for m in (OursSAC, OursSP, OursLongest, DeepSpeedAutoSP, Ulysses, ALST, DDP, Ring)
 }
 
 

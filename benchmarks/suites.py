@@ -33,7 +33,7 @@ SUITES: dict[str, dict[str, Any]] = {
     "trainability": {
         "models": ["gpt-tiny", "llama-tiny", "llama3-proportions"],
         "layers": 8,
-        "methods": ["sac", "sp", "ulysses", "alst", "ddp", "deepspeed"],
+        "methods": ["sac", "longest", "sp", "ulysses", "alst", "ddp", "deepspeed"],
         "seq_lens": [1024, 2048],
         "headline_len": 2048,
         "parity_len": 1024,
@@ -50,7 +50,7 @@ SUITES: dict[str, dict[str, Any]] = {
     },
     "smoke": {
         "models": ["gpt-smoke", "llama-smoke"],
-        "methods": ["sac", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"],
+        "methods": ["sac", "longest", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"],
         "seq_lens": [64],
         "headline_len": 64,
         "parity_len": 64,
@@ -94,6 +94,7 @@ DEFAULTS = {
     "threads": 1,
     "nproc": None,
 }
+METHOD_NAMES = ("sac", "longest", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring")  # methods.METHODS
 REFERENCE_METHOD = "ulysses"  # step-time ratios are against hand-written Ulysses
 PAIRED_REFERENCES = (REFERENCE_METHOD, "sp")  # per-round ratios are kept against these
 
@@ -104,7 +105,7 @@ def parse_launch_args(argv: list[str], description: str = "") -> argparse.Namesp
     parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     parser.add_argument("--models", nargs="+", help="presets of benchmarks/models.py")
     parser.add_argument("--layers", type=int, help="cut every model to this many layers")
-    parser.add_argument("--methods", nargs="+", help="of: sac sp deepspeed ulysses alst ddp ring")
+    parser.add_argument("--methods", nargs="+", help="of: sac longest sp deepspeed ulysses alst ddp ring")
     parser.add_argument("--seq-lens", nargs="+", type=int)
     parser.add_argument("--headline-len", type=int, help="length of the timed and saved-bytes figures")
     parser.add_argument("--parity-len", type=int, help="length of the single-device parity check")
@@ -132,7 +133,7 @@ def parse_launch_args(argv: list[str], description: str = "") -> argparse.Namesp
     args.out = args.out or RESULTS / f"{args.suite}.json"
     if args.nproc is None:
         args.nproc = _gpu_count() if args.device == "cuda" else 2
-    unknown = set(args.methods) - {"sac", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring"}
+    unknown = set(args.methods) - set(METHOD_NAMES)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}")
     for length in (args.headline_len, args.parity_len):
