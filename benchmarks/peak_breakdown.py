@@ -349,7 +349,7 @@ def worker_main(args: argparse.Namespace) -> None:
             ids = torch.randint(0, spec.vocab_size, (1, args.seq_len), generator=generator)
             prepared = method.prepare(ids)
             if isinstance(method, Ours):
-                method.backends[-1].partitioner = recording_partitioner("all" if method.sac else "off")
+                method.backends[-1].partitioner = recording_partitioner(method.backends[-1].partitioner.mode)
             for _ in range(2):
                 method.model.zero_grad(set_to_none=True)
                 prepared.step()
@@ -381,7 +381,14 @@ def worker_main(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------------
 # report
 
-_LABELS = {"sac": "ours: SP + SAC", "sp": "ours: SP", "ulysses": "hand-written Ulysses", "ddp": "DDP"}
+_LABELS = {
+    "sac": "ours: SP + SAC",
+    "longest": "ours: SP + SAC, longest",
+    "sp": "ours: SP",
+    "alst": "ALST-style",
+    "ulysses": "hand-written Ulysses",
+    "ddp": "DDP",
+}
 
 
 def _mib(n: float) -> str:
