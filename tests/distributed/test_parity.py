@@ -80,6 +80,7 @@ def two_rank_results(tmp_path_factory) -> dict[int, dict]:
             "fsdp_user_head_unit",
             *CHUNKED_LOSS_CASES,
             "gpt_chunked_loss_broken",
+            "gpt_len61_activation_budget",
             *PACKED_CASES,
             *FLASH_CASES,
         ],
@@ -266,7 +267,12 @@ def test_graph_break_in_a_loop_is_an_error_not_a_silent_fallback(two_rank_result
 
 # The defaults users get (Inductor + SAC); batch 1 at 61 tokens made Inductor order the all-to-alls of
 # dq, dk and dv differently on the two ranks (Note [Collective order] in compiler/ordering.py).
-INDUCTOR_CASES = ["gpt_inductor", "gpt_len61_b1_inductor", "llama_len61_b1_inductor_tiled"]
+INDUCTOR_CASES = [
+    "gpt_inductor",
+    "gpt_len61_b1_inductor",
+    "llama_len61_b1_inductor_tiled",
+    "llama_len61_b1_inductor_longest",
+]
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +288,25 @@ def test_parity_inductor_end_to_end(inductor_results, case):
     tiled = {rank: per_case[case]["tiled_regions"] for rank, per_case in inductor_results.items()}
     if case.endswith("_tiled"):  # the MLPs really ran over tiles of tokens, forward and backward
         assert all(n >= 4 for n in tiled.values()), tiled
+    if case.endswith("_longest"):  # both layers rebuilt attention, and backward re-ran their all-to-alls
+        for per_case in inductor_results.values():
+            assert per_case[case]["layers_rebuilding_attention"] == 2, per_case[case]["explain"]
+            assert per_case[case]["backward_collectives"] == 2 * 2 * 2 + 1, per_case[case]["explain"]
+
+
+@pytest.mark.timeout(1260)
+def test_an_activation_budget_sends_only_the_layers_it_needs(two_rank_results):
+    """Note [Layers that recompute attention]: one of the two layers rebuilds attention, the other keeps
+    SAC's saves; exact either way."""
+    assert_parity(two_rank_results, "gpt_len61_activation_budget")
+    for rank, per_case in two_rank_results.items():
+        budget, sac = per_case["gpt_len61_activation_budget"], per_case["gpt_len61"]
+        assert budget["layers_rebuilding_attention"] == 1, (rank, budget["explain"])
+        # the sent layer's two all-to-alls, and the head's (the label shift's window, the loss's all-reduce)
+        # when it is the last layer: this GPT has no final norm, so no saved block input cuts the head off
+        added = budget["backward_collectives"] - sac["backward_collectives"]
+        assert added >= 2 and f"+{added} collectives" in budget["explain"], (rank, budget["explain"])
+        assert "budget 0.10 MiB: 1 of 2 layers rebuild attention" in budget["explain"]
 
 
 @pytest.mark.timeout(1260)

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from benchmarks.measure import allocator_peak
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.fx_utils import forward_nodes
+from lightning_autosp.compiler.memory_policy import LayerSaves, choose_layers
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.sac import (
     SequenceAwarePartitioner,
@@ -184,6 +185,23 @@ def test_auto_sac_stays_within_its_flop_budget_and_keeps_results() -> None:
 def test_bad_sac_value_is_rejected() -> None:
     with pytest.raises(ValueError, match="sac='sometimes'"):
         AutoSPBackend(None, compiler="aot_eager", sac="sometimes")
+    with pytest.raises(ValueError, match="sac=1 is not supported"):
+        AutoSPBackend(None, compiler="aot_eager", sac=1)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"activation_budget": -1}, "must be a number of bytes"),
+        ({"activation_budget": True}, "must be a number of bytes"),
+        ({"activation_budget": 1.5e9}, "must be a number of bytes"),
+        ({"activation_budget": 1 << 30, "sac": False}, "needs sac=True or sac='auto'"),
+        ({"activation_budget": 1 << 30, "sac": "longest"}, "sends every layer without one"),
+    ],
+)
+def test_bad_activation_budget_is_rejected_naming_the_fix(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        AutoSPBackend(None, compiler="aot_eager", **options)
 
 
 def test_sac_never_reruns_a_collective_in_backward(gloo_group: str) -> None:
@@ -278,3 +296,19 @@ def test_longest_rebuilds_attention_and_its_collectives_in_backward(gloo_group: 
     assert longest.backward_collectives == sac_report.backward_collectives + choice.added_collectives
     assert longest.saved_bytes < sac_report.saved_bytes / 2, (longest.saved_bytes, sac_report.saved_bytes)
     assert "2 of 2 layers rebuild attention" in longest.line()
+
+
+def test_a_budget_sends_the_layers_that_free_most_per_flop_until_the_saves_fit() -> None:
+    layers = [
+        LayerSaves(index=0, nodes=(), bytes=100, flops=1000, collectives=2),
+        LayerSaves(index=1, nodes=(), bytes=300, flops=1000, collectives=2),
+        LayerSaves(index=2, nodes=(), bytes=200, flops=1000, collectives=2),
+    ]
+    assert choose_layers(layers, kept_bytes=1000, budget=1000).chosen == ()  # fits already
+    fits = choose_layers(layers, kept_bytes=1000, budget=600)
+    assert fits.chosen == (1, 2) and fits.freed_bytes == 500 and fits.added_collectives == 4
+    assert "2 of 3 layers" in fits.line() and "over the budget" not in fits.line()
+    over = choose_layers(layers, kept_bytes=1000, budget=100)
+    assert over.chosen == (0, 1, 2) and "still over the budget" in over.line()
+    longest = choose_layers(layers, kept_bytes=1000, budget=None)
+    assert longest.chosen == (0, 1, 2) and longest.line().startswith("longest: 3 of 3 layers")
