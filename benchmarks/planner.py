@@ -186,7 +186,8 @@ def measure(
             return loss_step(batch)
 
     torch._dynamo.reset()
-    backend = AutoSPBackend(context, compiler=compiler, sac=setup.sac, chunked_loss=setup.chunked_loss)
+    sac = "longest" if setup.rebuild_attention else setup.sac
+    backend = AutoSPBackend(context, compiler=compiler, sac=sac, chunked_loss=setup.chunked_loss)
     if context is not None:
         backend.mark_sharded(batch["input_ids"])
     compiled = torch.compile(step, backend=backend, dynamic=False)
@@ -253,7 +254,7 @@ def compare(
         "seq_len": seq_len,
         "sp": setup.sp_size,
         "rank": rank,
-        "sac": setup.sac,
+        "sac": setup.policy,
         "precision": setup.precision,
         "chunked_loss": setup.chunked_loss,
         "compiler": setup.compiler,
@@ -269,6 +270,10 @@ def compare(
         "planned_peak": in_step,
         "saved": [(shape, str(dtype)) for shape, dtype in measured.saved],
     }
+
+
+def _policy(sac: bool | str) -> str:
+    return sac if isinstance(sac, str) else ("on" if sac else "off")
 
 
 def rel_err(planned: float, measured: float) -> float:
@@ -288,7 +293,7 @@ def render(rows: list[dict]) -> str:
             error = (r["planned_peak"] - r["measured_peak"]) / r["measured_peak"]
             peak = [f"{r['measured_peak'] / MiB:.2f}", f"{r['planned_peak'] / MiB:.2f}", f"{error:+.0%}"]
         lines.append(
-            f"| {r['model']} | {r['seq_len']} | {r['sp']} | {'on' if r['sac'] else 'off'} | "
+            f"| {r['model']} | {r['seq_len']} | {r['sp']} | {_policy(r['sac'])} | "
             f"{r['precision']} | {'yes' if r['chunked_loss'] else 'no'} | {r['measured_saved'] / MiB:.3f} | "
             f"{r['planned_saved'] / MiB:.3f} | {rel_err(r['planned_saved'], r['measured_saved']):.1%} | "
             f"{static:.1%} | " + " | ".join(peak) + " |"

@@ -80,6 +80,8 @@ class Setup:
     sp_size: int
     devices: int
     sac: bool = True
+    # sac="longest": every layer keeps only its input and rebuilds attention and its all-to-alls too
+    rebuild_attention: bool = False
     data_parallel: DataParallel = "ddp"
     precision: str = "bf16-mixed"
     batch_size: int = 1
@@ -103,8 +105,15 @@ class Setup:
             raise ValueError(f"data_parallel={self.data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
         if self.sp_size < 1 or self.devices % self.sp_size:
             raise ValueError(f"sp_size={self.sp_size} must divide devices={self.devices}.")
+        if self.rebuild_attention and not self.sac:
+            raise ValueError("rebuild_attention (sac='longest') is a SAC policy; it needs sac=True.")
         if self.sp_size % self.layout.ulysses_degree:
             raise ValueError(f"ulysses_degree={self.ulysses_degree} must divide sp_size={self.sp_size}.")
+
+    @property
+    def policy(self) -> str:
+        """The ``sac`` option this setup stands for."""
+        return "longest" if self.rebuild_attention else ("on" if self.sac else "off")
 
     @property
     def layout(self) -> SPLayout:
@@ -171,6 +180,13 @@ def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str
     s = _Sizes.of(shape, setup, seq_len)
     T, L, h, q = s.tokens, shape.layers, shape.hidden, shape.attention_width
     if setup.sac:
+        # The first block's input (the embedding's output) is rebuilt in backward, unless that would
+        # gather the sharded table again (data_parallel="fsdp", per use).
+        gathers_table = setup.data_parallel == "fsdp" and setup.fsdp_gather == "per_use"
+        block_inputs = (L if gathers_table else L - 1) * T * h * s.r
+        if setup.rebuild_attention:  # only each block's input (Note [Layers that recompute attention])
+            labels = {"labels": T * 8} if setup.sp_size > 1 else {}
+            return {"block inputs": block_inputs, "final norm input": T * h * s.r, **labels}
         saved = {"logsumexp": L * s.head_tokens * shape.heads * 4}
         # With all-to-alls around SDPA, backward takes the output's row sums instead of the output in
         # head layout (Note [Attention output by its row sums]); ring attention keeps its output.
@@ -180,10 +196,7 @@ def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str
             saved["q, k, v after all-to-all"] = L * s.head_tokens * (q + 2 * s.kv_width) * s.x
             saved["attention out after all-to-all"] = L * T * q * s.x
             saved["labels"] = T * 8
-        # The first block's input (the embedding's output) is rebuilt in backward, unless that would
-        # gather the sharded table again (data_parallel="fsdp", per use).
-        gathers_table = setup.data_parallel == "fsdp" and setup.fsdp_gather == "per_use"
-        saved["block inputs"] = (L if gathers_table else L - 1) * T * h * s.r
+        saved["block inputs"] = block_inputs
         saved["final norm input"] = T * h * s.r  # so the last block is rebuilt like the others
         return saved
     saved = {name: L * size for name, size in _layer_without_sac(shape, s).items()}
@@ -289,7 +302,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
 
     # SAC rebuilds a layer in backward, but not what it keeps: q, k, v and the attention outputs are
     # among the saved activations already.
-    kept_by_sac = ("q, k, v", "attention out + logsumexp")
+    kept_by_sac = () if setup.rebuild_attention else ("q, k, v", "attention out + logsumexp")
     rebuilt = {name: size for name, size in _layer_without_sac(shape, s).items() if name not in kept_by_sac}
     recompute = sum(rebuilt.values()) if setup.sac else 0
     # Rebuilding a gated MLP in backward holds the gradients of both branches and of their product at
@@ -316,8 +329,10 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
 
 
 def a2a_bytes_per_step(shape: ModelShape, setup: Setup, seq_len: int) -> int:
-    """Bytes each rank sends through the Ulysses all-to-alls in one step (``sp_cost.a2a_bytes``)."""
-    return a2a_bytes(shape, setup.layout, seq_len, setup.batch_size, setup.act_bytes)
+    """Bytes each rank sends through the Ulysses all-to-alls in one step (``sp_cost.a2a_bytes``); a layer
+    rebuilding attention sends its forward all-to-alls again in backward."""
+    sent = a2a_bytes(shape, setup.layout, seq_len, setup.batch_size, setup.act_bytes)
+    return sent * 3 // 2 if setup.rebuild_attention else sent
 
 
 def ring_bytes_per_step(shape: ModelShape, setup: Setup, seq_len: int) -> int:

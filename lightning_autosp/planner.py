@@ -87,7 +87,7 @@ class PlanOption:
         ring_bytes = in_gib(self.ring_bytes_per_step)
         ring = f"; ring K/V {ring_bytes} GiB/step/rank" if s.layout.ring_degree > 1 else ""
         return (
-            f"sp_size={s.layout.describe()} x dp={s.dp_size} ({s.data_parallel}, sac={s.sac}, "
+            f"sp_size={s.layout.describe()} x dp={s.dp_size} ({s.data_parallel}, sac={s.policy}, "
             f"{s.precision}): peak {in_gib(m.total)} of {in_gib(self.usable_bytes)} GiB usable ({parts}); "
             f"longest sequence {self.max_seq_len} tokens; all-to-alls {in_gib(self.a2a_bytes_per_step)} "
             f"GiB/step/rank{ring}, sp group {node}"
@@ -136,7 +136,7 @@ class Plan:
             cells = [
                 o.setup.layout.describe(),
                 str(o.setup.dp_size),
-                "on" if o.setup.sac else "off",
+                o.setup.policy,
                 o.setup.data_parallel,
                 *(in_gib(getattr(o.memory, name)) for name in names),
                 f"**{in_gib(o.memory.total)}**",
@@ -163,7 +163,7 @@ class Plan:
             table.add_row(
                 o.setup.layout.describe(),
                 str(o.setup.dp_size),
-                "on" if o.setup.sac else "off",
+                o.setup.policy,
                 o.setup.data_parallel,
                 *(in_gib(v) for v in (m.params, m.grads, m.optimizer, m.comm_buffers, m.activations)),
                 in_gib(m.attention_mask),
@@ -253,7 +253,8 @@ def plan(
         memory_per_device: bytes of one GPU (e.g. ``torch.cuda.get_device_properties(0).total_memory``).
         sp_sizes: the sp sizes to consider; default every divisor of ``devices`` the strategy runs with
             ``ulysses_degree`` (without a ring, those that divide the heads).
-        sac: True/"auto" (sequence-aware checkpointing; "auto" is planned as True), False, or several.
+        sac: True/"auto" (sequence-aware checkpointing; "auto" is planned as True), "longest" (every
+            layer rebuilds attention too), False, or several.
         precision: Lightning's precision string ("bf16-mixed": fp32 weights, grads and AdamW state).
         batch_size: sequences per dp group per step.
         gpus_per_node: sp groups larger than this send their all-to-alls over the network.
@@ -290,7 +291,8 @@ def plan(
                 setup = Setup(
                     sp_size=p,
                     devices=devices,
-                    sac=recompute in (True, "auto"),
+                    sac=recompute in (True, "auto", "longest"),
+                    rebuild_attention=recompute == "longest",
                     data_parallel=kind,
                     precision=precision,
                     batch_size=batch_size,
@@ -362,8 +364,8 @@ def choose_sp_size(
     hints = []
     if data_parallel == "ddp":
         hints.append("data_parallel='fsdp'")
-    if sac not in (True, "auto"):
-        hints.append("sac=True")
+    if sac != "longest":
+        hints.append("sac='longest' (every layer rebuilds attention in backward)")
     if not chunked_loss:
         hints.append("chunked_loss=True")
     if ulysses_degree is None and devices > result.shape.heads:

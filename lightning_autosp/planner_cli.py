@@ -45,7 +45,7 @@ def comm_share(
         gpus_per_node,
         rates,
     )
-    flops = step_flops(shape, seq_len, setup.batch_size, setup.sp_size, setup.sac)
+    flops = step_flops(shape, seq_len, setup.batch_size, setup.sp_size, setup.sac, setup.rebuild_attention)
     return sent / (flops / (rates.flops * rates.mfu))
 
 
@@ -99,6 +99,51 @@ def readme_table(
     return "\n".join(lines)
 
 
+# Published longest full-training sequences (docs/scaling.md, "Against the records"): (model, GPUs, GPU,
+# tokens, who, how). Llama-3.1-8B stands for the Llama-8B and Llama3-8B of the papers (same shape).
+RECORDS = (
+    ("8b", 1, "H100 80GB", 500_000, "ALST", "checkpoints, parameters and optimizer offloaded to the host"),
+    ("8b", 1, "H200 141GB", 1_200_000, "ALST", "the same, with Liger kernels and FA3"),
+    ("8b", 8, "H100 80GB", 3_700_000, "ALST", "the same, Ulysses over 8"),
+    ("8b", 8, "H100 80GB", 5_000_000, "UPipe", "attention over chunks of heads"),
+    ("8b", 16, "H100 80GB", 8_000_000, "UPipe", "attention over chunks of heads"),
+    ("8b", 32, "H100 80GB", 15_000_000, "ALST", "offload, Ulysses over 32"),
+    ("70b", 64, "H100 80GB", 10_000_000, "ALST", "offload, Ulysses x ZeRO-3"),
+)
+
+
+def longest_per_policy(
+    shape: ModelShape, devices: int, memory: int, policies: Sequence[bool | str] = (True, "longest")
+) -> dict[str, tuple[int, int]]:
+    """For each ``sac`` policy, the longest trainable sequence over every sp size the devices allow
+    (FSDP per use, bf16-mixed, AdamW, chunked loss, batch 1; ring attention where sp passes the heads),
+    and the sp size that reaches it."""
+    result = plan(
+        shape, 2**10 * devices, devices, memory, sac=policies, data_parallel="fsdp", ulysses_degree="auto"
+    )
+    best: dict[str, tuple[int, int]] = {}
+    for option in result.options:
+        key = option.setup.policy
+        best[key] = max(best.get(key, (0, 0)), (option.max_seq_len, option.setup.sp_size))
+    return best
+
+
+def records_table(gpus: Mapping[str, int] = GPUS) -> str:
+    """Per published record (model, GPUs, GPU): the longest sequence the planner predicts for SAC and for
+    sac="longest", beside the record."""
+    columns = ["model", "GPUs", "GPU", "record", "how", "ours: SAC", "ours: longest", "longest / record"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|---:|---|---|---|---:|---:|---:|"]
+    for model, devices, gpu, tokens, who, how in RECORDS:
+        best = longest_per_policy(PRESETS[model], devices, gpus[gpu])
+        cells = [PRESETS[model].name, str(devices), gpu, f"{who}: {tokens / 1e6:.1f}M", how]
+        for policy in ("on", "longest"):
+            length, sp = best[policy]
+            cells.append(f"{length / 1e6:.2f}M (sp={sp})" if length else "does not fit")
+        cells.append(f"{best['longest'][0] / tokens:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 PRESETS = {"8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}
 
 
@@ -132,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the table of docs/scaling.md instead (Llama 3.1 8B/70B; 128K-1M tokens; 8, 64 and 1024 "
         "GPUs; H100 80GB and H200 141GB): the smallest sp that fits each; ignores --model to --precision",
+    )
+    parser.add_argument(
+        "--records",
+        action="store_true",
+        help="print docs/scaling.md's table against the published longest sequences (ALST, UPipe): the "
+        "longest sequence SAC and sac='longest' fit on the same GPUs",
     )
     parser.add_argument(
         "--fsdp-gather",
@@ -175,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.records:
+        print(records_table())
+        return
     if args.table:
         print(readme_table(fsdp_gather=args.fsdp_gather, ulysses_degree=args.ulysses_degree))
         return

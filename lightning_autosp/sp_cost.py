@@ -137,12 +137,16 @@ class Throughput:
     network: float = 40e9  # bytes/s per GPU between nodes (one 400 Gb/s NIC per GPU)
 
 
-def step_flops(shape: ModelShape, seq_len: int, batch_size: int, sp_size: int, sac: bool) -> float:
+def step_flops(
+    shape: ModelShape, seq_len: int, batch_size: int, sp_size: int, sac: bool, rebuild_attention: bool = False
+) -> float:
     """FLOPs of one rank's step: matmuls (forward, backward, and SAC's recompute) and causal attention
-    (forward 2*B*S^2*H*D per layer, backward 2.5x that), split over the sp ranks (zigzag balances a ring)."""
+    (forward 2*B*S^2*H*D per layer, backward 2.5x that, and the forward again where layers rebuild it),
+    split over the sp ranks (zigzag balances a ring)."""
     T = batch_size * seq_len / sp_size
     linear = (6 + (2 if sac else 0)) * shape.matmul_weight_params * T
-    attention = 3.5 * 2 * batch_size * seq_len**2 * shape.attention_width * shape.layers / sp_size
+    passes = 4.5 if rebuild_attention else 3.5
+    attention = passes * 2 * batch_size * seq_len**2 * shape.attention_width * shape.layers / sp_size
     return linear + attention
 
 

@@ -97,12 +97,10 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             the first integer tensor); every tensor with that length along ``seq_dim`` is sharded.
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
         sac: sequence-aware activation checkpointing: True (recompute all but attention and
-            collectives), "auto" (within 10% of the step's FLOPs, from a FLOP model), "longest" (every
-            layer keeps only its input and rebuilds attention and its all-to-alls in backward too:
-            ALST's trade, for the longest sequences), or False.
-        activation_budget: with sac True or "auto", bytes of activations a rank may keep for backward
-            (per compiled graph); layers rebuild attention and its all-to-alls, most bytes freed per
-            FLOP first, until SAC's saves fit, and ``explain()`` says which (None: SAC's saves as they are).
+            collectives), "auto" (within 10% of the step's FLOPs), "longest" (every layer rebuilds
+            attention and its all-to-alls in backward too, keeping only its input), or False.
+        activation_budget: with sac True or "auto", bytes a rank may keep for backward per graph; layers
+            rebuild attention as "longest" does, most bytes per FLOP first, until SAC's saves fit.
         sac_tile_bytes: with SAC on, a row-wise region (an MLP, its rebuild in backward) whose widest
             inner value has at least this many bytes runs over tiles of tokens (default 1 MiB; None: never).
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of ``loss_chunk_tokens``
@@ -236,17 +234,15 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self._ulysses_degree: int | None = None if ulysses_degree == "auto" else ulysses_degree
         self.ring_layout: RingLayout = ring_layout
         self._ring_mesh: DeviceMesh | None = None
-        check_backend_options(
-            compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes, activation_budget
-        )
         self.loss_options = {"chunked_loss": chunked_loss, "loss_chunk_tokens": loss_chunk_tokens}
+        # what every AutoSPBackend this strategy builds is given
+        self._backend_options = {"sac_tile_bytes": sac_tile_bytes, "activation_budget": activation_budget}
+        check_backend_options(compiler, sac, **self.loss_options, **self._backend_options)
         self._sp_size = sp_size
         self.seq_dim = seq_dim
         self.sequence_keys = tuple(sequence_keys) if sequence_keys else None
         self.compiler: Compiler = compiler
         self.sac = sac
-        self.sac_tile_bytes = sac_tile_bytes
-        self.activation_budget = activation_budget
         self.sequence_shard: SequenceShard | None = None
         self._device_mesh: DeviceMesh | None = None
         self._sequence_tags = SequenceTags()
@@ -540,15 +536,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         return SPContext(shard, self.device_mesh.get_group(SP).group_name, self.seq_dim, **ring)
 
     def _backend(self, context: SPContext | None) -> AutoSPBackend:
-        return AutoSPBackend(
-            context,
-            tags=self._sequence_tags,
-            compiler=self.compiler,
-            sac=self.sac,
-            sac_tile_bytes=self.sac_tile_bytes,
-            activation_budget=self.activation_budget,
-            **self.loss_options,
-        )
+        options = {"compiler": self.compiler, "sac": self.sac, **self.loss_options, **self._backend_options}
+        return AutoSPBackend(context, tags=self._sequence_tags, **options)
 
 
 StrategyRegistry.register(

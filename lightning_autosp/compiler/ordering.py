@@ -14,6 +14,9 @@ Note [Collective order]
     partitioning, ``order_collectives`` puts each graph's collectives in a canonical order, the order of
     the forward ops they belong to (their autograd ``seq_nr``: ascending in the forward, descending in
     the backward, which is the order data flows in either), moving nodes only as their inputs allow.
+    A collective that backward re-runs (Note [Layers that recompute attention] in ``memory_policy.py``)
+    keeps its forward op's number; where the numbers contradict the data, a collective computed from
+    another still comes after it (``_canonical_order``).
     Then this post-grad pass chains the collectives of each graph Inductor compiles in that order with
     Inductor's control dependencies, so the scheduler cannot swap them; ``aot_eager`` runs the graphs
     in their order.
