@@ -102,13 +102,8 @@ def layer_saves(
     ``forward`` in graph order; ``boundaries`` are the saved block inputs (``sac.layer_boundaries``),
     which cut it into layers. A stretch holding no attention (the embedding, the head) is not a layer.
     """
-    stretches: list[list[fx.Node]] = [[]]
-    for node in forward:
-        if node in boundaries:
-            stretches.append([])
-        stretches[-1].append(node)
     layers = []
-    for stretch in stretches:
+    for stretch in _stretches(forward, boundaries):
         attention = [n for n in stretch if is_attention(n) and _saved(n) and not _has_dropout(n)]
         if not attention:
             continue
@@ -127,6 +122,39 @@ def layer_saves(
             )
         )
     return layers
+
+
+def _stretches(forward: Sequence[fx.Node], boundaries: set[fx.Node]) -> list[list[fx.Node]]:
+    """``forward`` cut after each saved block input: one stretch per layer, and the head's."""
+    stretches: list[list[fx.Node]] = [[]]
+    for node in forward:
+        stretches[-1].append(node)
+        if node in boundaries:
+            stretches.append([])
+    return stretches
+
+
+def values_shared_by_layers(forward: Sequence[fx.Node], boundaries: set[fx.Node]) -> list[fx.Node]:
+    """Values one stretch computes and later stretches read, besides the block inputs: the rotary tables
+    every layer reads, a mask built once. No larger than a block input.
+
+    A layer that rebuilds attention rebuilds its q and k from these. Left to recompute, they tie every
+    layer's rebuild to the first stretch's, and the row tiling of backward (``tiling.py``) then joins all
+    of the rebuilds into one region, run before the last layer's backward, each rebuilt q, k and v held
+    until its own layer's: the layers' peaks added up instead of one layer's.
+    """
+    stretch_of = {
+        node: index for index, stretch in enumerate(_stretches(forward, boundaries)) for node in stretch
+    }
+    widest = max((node_bytes(node) for node in boundaries), default=0)
+    return [
+        node
+        for node in forward
+        if node.op == "call_function"
+        and node not in boundaries
+        and node_bytes(node) <= widest
+        and any(stretch_of.get(user, stretch_of[node]) != stretch_of[node] for user in node.users)
+    ]
 
 
 def choose_layers(layers: Sequence[LayerSaves], kept_bytes: int, budget: int | None) -> AttentionRecompute:
@@ -149,12 +177,16 @@ def choose_layers(layers: Sequence[LayerSaves], kept_bytes: int, budget: int | N
     )
 
 
-def send_layers(layers: Sequence[LayerSaves], choice: AttentionRecompute) -> None:
-    """Tag the chosen layers' saved attention and collectives ``MUST_RECOMPUTE``."""
+def send_layers(layers: Sequence[LayerSaves], choice: AttentionRecompute, shared: Sequence[fx.Node]) -> None:
+    """Tag the chosen layers' saved attention and collectives ``MUST_RECOMPUTE``, and, when any layer is
+    sent, the values layers share (``values_shared_by_layers``) ``MUST_SAVE``."""
     for layer in layers:
         if layer.index in choice.chosen:
             for node in layer.nodes:
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    if choice.chosen:
+        for node in shared:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def kept_bytes(forward: Sequence[fx.Node]) -> int:

@@ -38,6 +38,7 @@ from lightning_autosp.compiler.memory_policy import (
     kept_bytes,
     layer_saves,
     send_layers,
+    values_shared_by_layers,
 )
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.ordering import order_collectives
@@ -388,10 +389,11 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         attention] in ``memory_policy.py``)."""
         forward = forward_nodes(joint)
         is_attention = lambda node: _op_name(node) in _ATTENTION_OPS
-        layers = layer_saves(forward, layer_boundaries(joint), is_attention, node_flops)
+        boundaries = layer_boundaries(joint)
+        layers = layer_saves(forward, boundaries, is_attention, node_flops)
         budget = None if self.mode == "longest" else self.activation_budget
         choice = choose_layers(layers, kept_bytes(forward), budget)
-        send_layers(layers, choice)
+        send_layers(layers, choice, values_shared_by_layers(forward, boundaries))
         return choice
 
     def uuid(self) -> Any:

@@ -216,7 +216,12 @@ def _levels(graph: fx.Graph, rules: dict[fx.Node, TileRule]) -> dict[fx.Node, se
             continue
         own = {node}
         for arg in node.all_input_nodes:
-            if arg in rules and level[arg] == level[node] and piece[arg] is not own:
+            if (
+                arg in rules
+                and level[arg] == level[node]
+                and piece[arg] is not own
+                and not _bridge(arg, rules)
+            ):
                 other = piece[arg]
                 if len(other) > len(own):
                     own, other = other, own
@@ -226,6 +231,13 @@ def _levels(graph: fx.Graph, rules: dict[fx.Node, TileRule]) -> dict[fx.Node, se
         for member in own:
             piece[member] = own
     return piece
+
+
+def _bridge(node: fx.Node, rules: dict[fx.Node, TileRule]) -> bool:
+    """Whether ``node`` only reshapes graph inputs for several readers: a view of the rotary tables that
+    every layer reads. Joining its readers through it would make one region of all the layers (Note
+    [Layers that recompute attention]); each reader takes it as an input instead."""
+    return len(node.users) > 1 and not any(arg in rules for arg in node.all_input_nodes)
 
 
 def _join(graph: fx.Graph, rules: dict[fx.Node, TileRule], piece: dict[fx.Node, set[fx.Node]]) -> None:
@@ -238,6 +250,8 @@ def _join(graph: fx.Graph, rules: dict[fx.Node, TileRule], piece: dict[fx.Node, 
             continue
         for arg in node.all_input_nodes:
             if arg not in rules or piece[arg] is piece[node] or (id(piece[arg]), id(piece[node])) in apart:
+                continue
+            if _bridge(arg, rules):
                 continue
             union = piece[arg] | piece[node]
             if _convex(union):
