@@ -312,3 +312,22 @@ def test_a_budget_sends_the_layers_that_free_most_per_flop_until_the_saves_fit()
     assert over.chosen == (0, 1, 2) and "still over the budget" in over.line()
     longest = choose_layers(layers, kept_bytes=1000, budget=None)
     assert longest.chosen == (0, 1, 2) and longest.line().startswith("longest: 3 of 3 layers")
+
+
+@pytest.mark.slow
+def test_longest_holds_one_layers_rebuild_at_a_time() -> None:
+    """Layers that rebuild attention rebuild one at a time, tiled or not: the rotary tables every layer
+    reads are saved, and row tiling does not join the layers' rebuilds through them into one region run
+    before the last layer's backward (which held every layer's rebuilt q, k, v at once: 31.0 MiB against
+    SAC's 22.9 at 2048 tokens, 8 layers, 2 ranks)."""
+    torch.manual_seed(0)
+    model, ids = LlamaModule(layers=4).model, _ids(256)[:1]
+    loss_fn = lambda: model(input_ids=ids, labels=ids).loss
+    peaks = {}
+    for sac in (True, "longest"):
+        torch._dynamo.reset()
+        backend = AutoSPBackend(None, compiler="aot_eager", sac=sac, sac_tile_bytes=0)
+        step = torch.compile(loss_fn, backend=backend, dynamic=False)
+        step().backward()
+        peaks[sac] = allocator_peak(step, model, steps=2)["alloc_peak_bytes"]
+    assert peaks["longest"] < 0.9 * peaks[True], peaks
