@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lightning_autosp.compiler.fx_utils import ancestors
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.parameter_gathers import is_parameter_all_gather
 from lightning_autosp.compiler.tiling_rules import node_bytes
@@ -134,26 +135,33 @@ def _stretches(forward: Sequence[fx.Node], boundaries: set[fx.Node]) -> list[lis
     return stretches
 
 
-def values_shared_by_layers(forward: Sequence[fx.Node], boundaries: set[fx.Node]) -> list[fx.Node]:
-    """Values one stretch computes and later stretches read, besides the block inputs: the rotary tables
-    every layer reads, a mask built once. No larger than a block input.
+def values_shared_by_layers(
+    forward: Sequence[fx.Node], boundaries: set[fx.Node], is_attention: Callable[[fx.Node], bool]
+) -> list[fx.Node]:
+    """Values one stretch computes that a later layer's attention reads, besides the block inputs: the
+    rotary tables every layer reads, a mask built once. Tensors no larger than a block input.
 
     A layer that rebuilds attention rebuilds its q and k from these. Left to recompute, they tie every
     layer's rebuild to the first stretch's, and the row tiling of backward (``tiling.py``) then joins all
     of the rebuilds into one region, run before the last layer's backward, each rebuilt q, k and v held
-    until its own layer's: the layers' peaks added up instead of one layer's.
+    until its own layer's: the layers' peaks added up instead of one layer's. Values read elsewhere (a
+    weight's transpose that backward reads again) are not layers' and are left alone.
     """
     stretch_of = {
         node: index for index, stretch in enumerate(_stretches(forward, boundaries)) for node in stretch
     }
+    read_by_attention: set[fx.Node] = set()
+    for node in forward:
+        if is_attention(node):
+            read_by_attention |= ancestors(node)
     widest = max((node_bytes(node) for node in boundaries), default=0)
     return [
         node
         for node in forward
         if node.op == "call_function"
         and node not in boundaries
-        and node_bytes(node) <= widest
-        and any(stretch_of.get(user, stretch_of[node]) != stretch_of[node] for user in node.users)
+        and 0 < node_bytes(node) <= widest
+        and any(user in read_by_attention and stretch_of[user] != stretch_of[node] for user in node.users)
     ]
 
 

@@ -393,7 +393,7 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         layers = layer_saves(forward, boundaries, is_attention, node_flops)
         budget = None if self.mode == "longest" else self.activation_budget
         choice = choose_layers(layers, kept_bytes(forward), budget)
-        send_layers(layers, choice, values_shared_by_layers(forward, boundaries))
+        send_layers(layers, choice, values_shared_by_layers(forward, boundaries, is_attention))
         return choice
 
     def uuid(self) -> Any:
