@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from benchmarks.measure import allocator_peak
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.fx_utils import forward_nodes
-from lightning_autosp.compiler.memory_policy import LayerSaves, choose_layers
+from lightning_autosp.compiler.memory_policy import LayerSaves, choose_layers, values_shared_by_layers
 from lightning_autosp.compiler.ops import is_collective
 from lightning_autosp.compiler.sac import (
     SequenceAwarePartitioner,
@@ -331,3 +331,20 @@ def test_longest_holds_one_layers_rebuild_at_a_time() -> None:
         step().backward()
         peaks[sac] = allocator_peak(step, model, steps=2)["alloc_peak_bytes"]
     assert peaks["longest"] < 0.9 * peaks[True], peaks
+
+
+def test_layers_share_only_what_a_later_attention_reads() -> None:
+    """Note [Layers that recompute attention]: the rotary tables (HF Llama's cos and sin) are what later
+    layers' attention reads; a weight's transpose that backward reads again is not (GPT: nothing)."""
+    shared = {}
+    for name, module in (("llama", LlamaModule(layers=3)), ("gpt", _module())):
+        backend = AutoSPBackend(None, compiler="aot_eager", sac="longest")
+        backend.partitioner = RecordingPartitioner()
+        backend.partitioner.mode = "longest"
+        _step(module, backend, _ids())
+        (joint,) = backend.partitioner.joints
+        forward = forward_nodes(joint)
+        shared[name] = values_shared_by_layers(forward, layer_boundaries(joint), _is_attention)
+    assert len(shared["llama"]) == 2 and shared["gpt"] == [], shared
+    for table in shared["llama"]:  # read by each of the 3 layers' rotary embedding, a table of 16 positions
+        assert len(table.users) >= 3 and 16 in table.meta["val"].shape, table.users
