@@ -185,8 +185,12 @@ def saved_activations(shape: ModelShape, setup: Setup, seq_len: int) -> dict[str
         gathers_table = setup.data_parallel == "fsdp" and setup.fsdp_gather == "per_use"
         block_inputs = (L if gathers_table else L - 1) * T * h * s.r
         if setup.rebuild_attention:  # only each block's input (Note [Layers that recompute attention])
-            labels = {"labels": T * 8} if setup.sp_size > 1 else {}
-            return {"block inputs": block_inputs, "final norm input": T * h * s.r, **labels}
+            saved = {"block inputs": block_inputs, "final norm input": T * h * s.r}
+            if setup.sp_size > 1:
+                saved["labels"] = T * 8
+            if shape.rotary:  # cos and sin, in fp32: every layer's rebuild reads them
+                saved["rotary tables"] = 2 * T * shape.d * 4
+            return saved
         saved = {"logsumexp": L * s.head_tokens * shape.heads * 4}
         # With all-to-alls around SDPA, backward takes the output's row sums instead of the output in
         # head layout (Note [Attention output by its row sums]); ring attention keeps its output.
