@@ -143,3 +143,11 @@ def _accepted_ddp_options() -> set[str]:
     ddp = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _SET_BY_THE_STRATEGY
     hooks = set(_DDP_STRATEGY_HOOKS) & set(inspect.signature(DDPStrategy.__init__).parameters)
     return ddp | hooks
+
+
+def given_options(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The strategy's options as given (``locals()`` at the start of ``__init__``), as keyword arguments:
+    every argument and DDP keyword but Lightning's plugins and devices, which the Trainer fills in."""
+    left_out = {"self", "__class__", "ddp_kwargs", "parallel_devices", *_PLUGIN_TYPES}
+    options = {name: value for name, value in arguments.items() if name not in left_out}
+    return {**options, **arguments.get("ddp_kwargs", {})}

@@ -57,7 +57,12 @@ from lightning_autosp.mesh import (
 )
 from lightning_autosp.meta_init import has_meta_tensors, materialize
 from lightning_autosp.metrics import MetricsOverShards
-from lightning_autosp.options import check_hang_timeout, check_strategy_arguments, process_group_timeout
+from lightning_autosp.options import (
+    check_hang_timeout,
+    check_strategy_arguments,
+    given_options,
+    process_group_timeout,
+)
 from lightning_autosp.outputs import gather_predictions
 from lightning_autosp.sample_check import check_same_sample
 from lightning_autosp.steps import CompiledSteps
@@ -101,6 +106,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             attention and its all-to-alls in backward too, keeping only its input), or False.
         activation_budget: with sac True or "auto", bytes a rank may keep for backward per graph; layers
             rebuild attention as "longest" does, most bytes per FLOP first, until SAC's saves fit.
+        offload_activations: what the forward saves for backward waits in host memory (on a GPU, copied
+            on a side stream and prefetched in backward; on CPU a functional no-op), as ALST's checkpoints.
         sac_tile_bytes: with SAC on, a row-wise region (an MLP, its rebuild in backward) whose widest
             inner value has at least this many bytes runs over tiles of tokens (default 1 MiB; None: never).
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of ``loss_chunk_tokens``
@@ -142,6 +149,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         sac: bool | Literal["auto", "longest"] = True,
         sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
         activation_budget: int | None = None,
+        offload_activations: bool = False,
         ulysses_degree: int | Literal["auto"] | None = None,
         ring_layout: RingLayout = "zigzag",
         chunked_loss: bool = True,
@@ -164,31 +172,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         start_method: str = "popen",
         **ddp_kwargs: Any,
     ) -> None:
-        self._options = {
-            "sp_size": sp_size,
-            "seq_dim": seq_dim,
-            "sequence_keys": sequence_keys,
-            "compiler": compiler,
-            "sac": sac,
-            "sac_tile_bytes": sac_tile_bytes,
-            "activation_budget": activation_budget,
-            "ulysses_degree": ulysses_degree,
-            "ring_layout": ring_layout,
-            "chunked_loss": chunked_loss,
-            "loss_chunk_tokens": loss_chunk_tokens,
-            "data_parallel": data_parallel,
-            "fsdp_gather": fsdp_gather,
-            "save_distributed_checkpoint": save_distributed_checkpoint,
-            "check_samples": check_samples,
-            "gather_predictions": gather_predictions,
-            "max_seq_len": max_seq_len,
-            "memory_per_device": memory_per_device,
-            "process_group_backend": process_group_backend,
-            "timeout": timeout,
-            "hang_timeout": hang_timeout,
-            "start_method": start_method,
-            **ddp_kwargs,
-        }
+        self._options = given_options(locals())
         timeout = process_group_timeout(timeout)
         self.hang_timeout = check_hang_timeout(hang_timeout)
         self._hang_watch: HangWatch | None = None
@@ -236,7 +220,11 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self._ring_mesh: DeviceMesh | None = None
         self.loss_options = {"chunked_loss": chunked_loss, "loss_chunk_tokens": loss_chunk_tokens}
         # what every AutoSPBackend this strategy builds is given
-        self._backend_options = {"sac_tile_bytes": sac_tile_bytes, "activation_budget": activation_budget}
+        self._backend_options = {
+            "sac_tile_bytes": sac_tile_bytes,
+            "activation_budget": activation_budget,
+            "offload_activations": offload_activations,
+        }
         check_backend_options(compiler, sac, **self.loss_options, **self._backend_options)
         self._sp_size = sp_size
         self.seq_dim = seq_dim

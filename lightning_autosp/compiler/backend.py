@@ -40,6 +40,7 @@ def check_backend_options(
     loss_chunk_tokens: object = None,
     sac_tile_bytes: object = DEFAULT_TILE_BYTES,
     activation_budget: object = None,
+    offload_activations: object = False,
 ) -> None:
     """Raise on a backend option value the backend does not know (before any process starts)."""
     if compiler not in ("inductor", "aot_eager"):
@@ -65,6 +66,8 @@ def check_backend_options(
             f"sac_tile_bytes={sac_tile_bytes!r} must be a number of bytes (0 tiles every region wider inside "
             f"than at its edges; the default is {DEFAULT_TILE_BYTES}), or None to never tile."
         )
+    if not isinstance(offload_activations, bool):
+        raise TypeError(f"offload_activations={offload_activations!r} must be True or False.")
     if not isinstance(chunked_loss, bool):
         raise TypeError(f"chunked_loss={chunked_loss!r} must be True or False.")
     if loss_chunk_tokens is not None and (
@@ -100,6 +103,9 @@ class AutoSPBackend:
         sac_tile_bytes: with SAC on, a row-wise region (an MLP, its rebuild and backward) whose widest
             inner value is at least this many bytes runs over tiles of tokens, so only one tile's wide
             values are live (Note [Row tiling] in ``compiler/tiling.py``); None never tiles.
+        offload_activations: the values the forward saves for backward wait in host memory, copied
+            out and back on a side stream on an accelerator (Note [Activation offload] in
+            ``compiler/offload.py``).
 
     Dynamo calls the backend once per graph: several times after graph breaks or when DDP splits
     the graph into buckets. Each call is rewritten on its own and leaves a report in ``reports``.
@@ -116,9 +122,16 @@ class AutoSPBackend:
         loss_chunk_tokens: int | None = None,
         sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
         activation_budget: int | None = None,
+        offload_activations: bool = False,
     ) -> None:
         check_backend_options(
-            compiler, sac, chunked_loss, loss_chunk_tokens, sac_tile_bytes, activation_budget
+            compiler,
+            sac,
+            chunked_loss,
+            loss_chunk_tokens,
+            sac_tile_bytes,
+            activation_budget,
+            offload_activations,
         )
         self.context = context
         self.tags = tags if tags is not None else SequenceTags()
@@ -130,7 +143,10 @@ class AutoSPBackend:
         self.reports: list[SPReport] = []
         self.loss_reports: list[ChunkedLossReport] = []
         self.partitioner = SequenceAwarePartitioner(
-            _SAC_MODES[sac], tile_bytes=sac_tile_bytes, activation_budget=activation_budget
+            _SAC_MODES[sac],
+            tile_bytes=sac_tile_bytes,
+            activation_budget=activation_budget,
+            offload_activations=offload_activations,
         )
 
     def mark_sharded(self, tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ Used through ``torch._inductor.config.custom_partitioner_fn`` (patched for one c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -30,7 +31,15 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
-from lightning_autosp.compiler import memory_policy, ordering, parameter_gathers, row_sums, symbols, tiling
+from lightning_autosp.compiler import (
+    memory_policy,
+    offload,
+    ordering,
+    parameter_gathers,
+    row_sums,
+    symbols,
+    tiling,
+)
 from lightning_autosp.compiler.fx_utils import ancestors, forward_nodes, value_of
 from lightning_autosp.compiler.memory_policy import (
     AttentionRecompute,
@@ -278,6 +287,8 @@ class SACReport:
     attention_outputs_by_row_sums: int = 0
     # layers that rebuild attention and its collectives in backward (memory_policy.py)
     attention_recompute: AttentionRecompute | None = None
+    # saved values kept in host memory until backward (offload.py)
+    offloaded: offload.Offload | None = None
 
     def line(self) -> str:
         share = self.recomputed_flops / self.step_flops if self.step_flops else 0.0
@@ -285,6 +296,8 @@ class SACReport:
             f"SAC ({self.mode}): {self.saved_bytes / 2**20:.2f} MiB of activations saved for backward, "
             f"{self.recomputed_ops} ops recomputed ({share:.1%} of step FLOPs)"
         )
+        if self.offloaded is not None:
+            text += f" ({self.offloaded.line()})"
         if self.parameter_gathers:
             text += f", {self.parameter_gathers} sharded parameters gathered again in backward"
         if self.gathers_in_compute_dtype:
@@ -309,7 +322,7 @@ def summarize_partition(
     }
     saved_bytes = sum(node_bytes(n) for n in saved.values())
     recomputed = [n for n in forward_nodes(backward) if n.op == "call_function" and node_flops(n) >= 0]
-    recomputed = [n for n in recomputed if n.target is not operator.getitem]
+    recomputed = [n for n in recomputed if n.target is not operator.getitem and not offload.is_copy(n)]
     forward_flops = sum(node_flops(n) for n in forward.graph.nodes if n.op == "call_function")
     recomputed_flops = sum(node_flops(n) for n in recomputed)
     collectives = sum(
@@ -335,6 +348,8 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         tile_bytes: with SAC on, a row-wise region of either graph (an MLP, its rebuild, its backward)
             whose widest inner value is at least this many bytes runs over tiles of tokens
             (Note [Row tiling] in ``tiling.py``); None never tiles.
+        offload_activations: the values the forward saves for backward wait in host memory
+            (Note [Activation offload] in ``offload.py``).
     """
 
     def __init__(
@@ -343,8 +358,10 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         overhead: float = 0.1,
         tile_bytes: int | None = DEFAULT_TILE_BYTES,
         activation_budget: int | None = None,
+        offload_activations: bool = False,
     ) -> None:
         self.mode = mode
+        self.offload_activations = offload_activations
         self.activation_budget = activation_budget
         self.overhead = overhead
         self.tile_bytes = tile_bytes
@@ -366,7 +383,11 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
                 attention_recompute = self._send_layers(gm)
         cast_gathers = cast_before_parameter_gathers(gm)
         self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
-        forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        with contextlib.ExitStack() as stack:
+            if self.offload_activations:
+                offload.mark_offload_candidates(gm)
+                stack.enter_context(offload.offloading(gm))
+            forward, backward = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         # What SAC chose, before tiling rewrites the recomputed ops into per-tile copies.
         report = summarize_partition(self.mode, forward, backward, kwargs["num_fwd_outputs"], reason)
         tilings = []
@@ -375,9 +396,12 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         for graph_module, is_backward in ((forward, False), (backward, True)):  # Note [Collective order]
             order_collectives(graph_module.graph, backward=is_backward)
             graph_module.recompile()
+        if self.offload_activations:
+            offload.wait_one_copy_later(forward)
         report.gathers_in_compute_dtype = cast_gathers
         report.attention_outputs_by_row_sums = by_row_sums
         report.attention_recompute = attention_recompute
+        report.offloaded = offload.moved_to_host(forward) if self.offload_activations else None
         report.tiled_regions = sum(t.regions for t in tilings)
         report.tiles = max((t.tiles for t in tilings), default=0)
         self.reports.append(report)
@@ -406,9 +430,10 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
             memory_policy.__file__,
             parameter_gathers.__file__,
             ordering.__file__,
+            offload.__file__,
         )
         extra = (
             f"mode={self.mode!r} overhead={self.overhead!r} tile={self.tile_bytes} "
-            f"budget={self.activation_budget}"
+            f"budget={self.activation_budget} offload={self.offload_activations}"
         )
         return get_hash_for_files(files, extra=extra)
