@@ -151,6 +151,7 @@ class Measured:
     optimizer_bytes: int
     saved: list[tuple[tuple[int, ...], torch.dtype]]
     peak_bytes: int | None
+    offloaded_bytes: int = 0  # what the forward copied to host memory (offload_activations)
 
 
 def measure(
@@ -187,7 +188,13 @@ def measure(
 
     torch._dynamo.reset()
     sac = "longest" if setup.rebuild_attention else setup.sac
-    backend = AutoSPBackend(context, compiler=compiler, sac=sac, chunked_loss=setup.chunked_loss)
+    backend = AutoSPBackend(
+        context,
+        compiler=compiler,
+        sac=sac,
+        chunked_loss=setup.chunked_loss,
+        offload_activations=setup.offload_activations,
+    )
     if context is not None:
         backend.mark_sharded(batch["input_ids"])
     compiled = torch.compile(step, backend=backend, dynamic=False)
@@ -224,6 +231,7 @@ def measure(
         optimizer_bytes=_storage_bytes(t for t in state if t.dim() > 0)[0],
         saved=[(tuple(t.shape), t.dtype) for t in activations],
         peak_bytes=peak,
+        offloaded_bytes=sum(r.offloaded.bytes for r in backend.sac_reports if r.offloaded is not None),
     )
 
 
@@ -268,6 +276,8 @@ def compare(
         "planned_optimizer": predicted.optimizer,
         "measured_peak": measured.peak_bytes,
         "planned_peak": in_step,
+        "measured_offloaded": measured.offloaded_bytes,
+        "planned_offloaded": predicted.host_activations,
         "saved": [(shape, str(dtype)) for shape, dtype in measured.saved],
     }
 

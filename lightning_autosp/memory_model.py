@@ -50,6 +50,8 @@ Note [Step peak]
     Whole Lightning training steps (a 44.6M-parameter Llama, 2 and 4 ranks, ``benchmarks/fsdp_memory.py``)
     come within -9% to 0% for "ddp" (whose peak is the optimizer step) and both "fsdp" modes.
     ``reserve`` (default 10% of the device) is left for the CUDA context, NCCL and fragmentation.
+    With ``offload_activations`` the saved values are in host memory but for about two layers' worth
+    (Note [Waiting for a copy to host] in ``compiler/offload.py``); host memory is not checked.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class Setup:
     sac: bool = True
     # sac="longest": every layer keeps only its input and rebuilds attention and its all-to-alls too
     rebuild_attention: bool = False
+    # offload_activations=True: saved values wait in host memory (Note [Activation offload])
+    offload_activations: bool = False
     data_parallel: DataParallel = "ddp"
     precision: str = "bf16-mixed"
     batch_size: int = 1
@@ -113,7 +117,8 @@ class Setup:
     @property
     def policy(self) -> str:
         """The ``sac`` option this setup stands for."""
-        return "longest" if self.rebuild_attention else ("on" if self.sac else "off")
+        policy = "longest" if self.rebuild_attention else ("on" if self.sac else "off")
+        return f"{policy} + offload" if self.offload_activations else policy
 
     @property
     def layout(self) -> SPLayout:
@@ -241,6 +246,7 @@ class MemoryBreakdown:
     optimizer_workspace: int = 0
     optimizer_step: int = 0  # the optimizer step's own peak, all of it (Note [Step peak])
     activations_freed_in_backward: bool = True
+    host_activations: int = 0  # saved values in host memory (offload_activations); not in the total
 
     @property
     def workspace(self) -> int:
@@ -295,6 +301,12 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     saved = saved_activations(shape, setup, seq_len)
     mask = _mask_bytes(shape, setup, seq_len)  # saved or rebuilt in backward: held once either way
     activations = sum(saved.values()) - saved.get("attention mask", 0)
+    host_activations = 0
+    if setup.offload_activations:
+        # Note [Waiting for a copy to host]: a layer's saves leave while the next layer runs, and backward
+        # brings one layer's back ahead of its use, so about two layers' saves are on the device at once.
+        host_activations = activations
+        activations = min(activations, 2 * math.ceil(activations / shape.layers))
 
     vocab_tokens = T * shape.vocab
     if setup.chunked_loss:
@@ -329,6 +341,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
         optimizer_workspace=optimizer_workspace,
         optimizer_step=params + optimizer + local_grads + optimizer_workspace + ddp_buckets,
         activations_freed_in_backward=setup.compiler == "inductor",
+        host_activations=host_activations,
     )
 
 

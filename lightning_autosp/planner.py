@@ -243,6 +243,7 @@ def plan(
     optimizer_impl: OptimizerImpl = "foreach",
     reserve: float = 0.1,
     ulysses_degree: UlyssesDegree = None,
+    offload_activations: bool = False,
 ) -> Plan:
     """Predict per-rank memory for every (sp_size, sac, data_parallel) and the longest trainable sequence.
 
@@ -269,6 +270,7 @@ def plan(
         reserve: share of ``memory_per_device`` left for the CUDA context, NCCL and fragmentation.
         ulysses_degree: as ``AutoSPStrategy``'s option: None (all of sp is Ulysses), "auto" or an int
             (the rest of sp is ring attention, priced by ``sp_cost.py``: Note [Ring attention costs]).
+        offload_activations: as ``AutoSPStrategy``'s option: saved values wait in host memory.
     """
     shape = model_shape(model_or_config)
     if seq_len < 1 or devices < 1:
@@ -293,6 +295,7 @@ def plan(
                     devices=devices,
                     sac=recompute in (True, "auto", "longest"),
                     rebuild_attention=recompute == "longest",
+                    offload_activations=offload_activations,
                     data_parallel=kind,
                     precision=precision,
                     batch_size=batch_size,
