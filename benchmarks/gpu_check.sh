@@ -15,6 +15,9 @@
 #      against hand-written Ulysses' at Llama-3.2-1B shapes (HEADLINE_LAYERS=4 layers, bf16), measured on
 #      this GPU as sp=1 and as rank 0 of sp=8 (the other ranks stood in by torch's fake process group)
 #      -> headline.json, .md (extra arguments: HEADLINE_ARGS)
+#   2b. the memory policies at the same shapes (OFFLOAD_S=120): `python -m benchmarks.headline --methods longest
+#      longest_offload`: sac="longest" with and without its layer inputs in host memory (offload_activations,
+#      compiler/offload.py), sp=1 and rank 0 of sp=8 -> offload.json, .md
 #   3. the trainability suite (TRAIN_S=150): `python -m benchmarks.trainability --out FILE`, skipped with a
 #      message while that module does not exist -> trainability.json (extra arguments: TRAIN_ARGS)
 #   4. the model zoo (ZOO_S=150): `python -m benchmarks.zoo --out FILE`, likewise -> zoo.json (ZOO_ARGS)
@@ -33,6 +36,7 @@ HEADLINE_S="${HEADLINE_S:-240}"
 HEADLINE_LAYERS="${HEADLINE_LAYERS:-4}"
 TRAIN_S="${TRAIN_S:-150}"
 ZOO_S="${ZOO_S:-150}"
+OFFLOAD_S="${OFFLOAD_S:-120}"
 MIN_RUN_S="${MIN_RUN_S:-120}"
 RESULTS="${GPU_CHECK_OUT:-benchmarks/results/gpu_check}"
 mkdir -p "$RESULTS"
@@ -117,6 +121,16 @@ else
     --deadline-s $(( HEADLINE_S * 2 / 3 )) --out "$RESULTS/headline.json" ${HEADLINE_ARGS:-}
 fi
 
+# 2b. the memory policies: "longest" with and without its saved values in host memory
+if [[ "$dry_run" == 1 ]]; then
+  step offload "$(box "$OFFLOAD_S")" python -m benchmarks.headline --device cpu --model llama-smoke \
+    --layers 2 --sp 1 2 --probe-lens 256 512 --budget-mib 64 --dtype float32 --compiler aot_eager \
+    --methods longest longest_offload --out "$RESULTS/offload.json"
+else
+  step offload "$(box "$OFFLOAD_S")" python -m benchmarks.headline --layers "$HEADLINE_LAYERS" \
+    --methods longest longest_offload --deadline-s $(( OFFLOAD_S * 2 / 3 )) --out "$RESULTS/offload.json"
+fi
+
 # 3, 4. suites that may not exist yet: run when their module is there
 for suite in trainability zoo; do
   if ! has_module "benchmarks.$suite"; then
@@ -149,14 +163,14 @@ else
 fi
 
 echo >> "$SUMMARY"
-for md in headline ring_kernels gpu trainability zoo; do
+for md in headline offload ring_kernels gpu trainability zoo; do
   [[ -f "$RESULTS/$md.md" ]] && { echo "## $md"; echo; cat "$RESULTS/$md.md"; echo; } >> "$SUMMARY"
 done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
 if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then
   tar czf "$OUT/gpu_check.tgz" -C "$RESULTS" .
   cp "$SUMMARY" "$OUT/summary.md"
-  for md in headline ring_kernels; do [[ -f "$RESULTS/$md.md" ]] && cp "$RESULTS/$md.md" "$OUT/"; done
+  for md in headline offload ring_kernels; do [[ -f "$RESULTS/$md.md" ]] && cp "$RESULTS/$md.md" "$OUT/"; done
 fi
 # Every step that ran must have passed (exit 0); skipped steps do not fail the check.
 ! grep -q '| exit [1-9]\|killed at its time box' "$SUMMARY"

@@ -43,7 +43,13 @@ from benchmarks.common import RESULTS, MiB, disable_compile_caches, report_heade
 from benchmarks.measure import allocator_peak, cuda_peak
 
 GiB = 2**30
-_LABELS = {"sac": "ours: SP + SAC", "sp": "ours: SP", "ulysses": "hand-written Ulysses"}
+_LABELS = {
+    "sac": "ours: SP + SAC",
+    "sp": "ours: SP",
+    "ulysses": "hand-written Ulysses",
+    "longest": 'ours: sac="longest"',
+    "longest_offload": 'ours: sac="longest", offload_activations',
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,7 +116,9 @@ def modelled(method: str, model: Any, sp: int, dtype: str, seq_lens: list[int], 
     setup = Setup(
         sp_size=sp,
         devices=sp,
-        sac=method == "sac",
+        sac=method in ("sac", "longest", "longest_offload"),
+        rebuild_attention=method.startswith("longest"),
+        offload_activations=method == "longest_offload",
         precision="bf16-true" if dtype == "bfloat16" else "32-true",
         chunked_loss=method != "ulysses",
         optimizer_states=0,

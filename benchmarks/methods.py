@@ -16,6 +16,8 @@ but DeepSpeed's, whose ``engine.backward`` does its own. No method builds an opt
 ``sp``         the same without SAC (PyTorch's min-cut partitioner)
 ``longest``    the same with ``sac="longest"``: every layer keeps only its input and rebuilds attention and
                its all-to-alls in backward too (ALST's trade, chosen by the compiler)
+``longest_offload`` ``longest`` with ``offload_activations=True``: the layer inputs wait in host memory
+               (a GPU's memory; on CPU the copies stay in host memory and free nothing)
 ``deepspeed``  DeepSpeed's AutoSP as its docs and examples drive it: ``deepspeed.initialize`` with
                ``{"compile": {"deepcompile": true, "passes": ["autosp"]}, "sequence_parallel_size": P}``,
                ``engine.compile()``, and every step ``prepare_autosp_inputs(input_ids, labels,
@@ -148,6 +150,7 @@ class Ours(Method):
     """This project's compiler backend on the single-device step (``sac`` or ``sp``)."""
 
     sac: ClassVar[bool | str]
+    offload_activations: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, ctx: RunContext) -> None:
         super().__init__(spec, ctx)
@@ -164,7 +167,9 @@ class Ours(Method):
         if ctx.world > 1:
             batch, shard = shard_batch(batch, world=ctx.world, rank=ctx.rank)
             context = SPContext(shard, ctx.group.group_name)
-        backend = AutoSPBackend(context, compiler=ctx.compiler, sac=self.sac)
+        backend = AutoSPBackend(
+            context, compiler=ctx.compiler, sac=self.sac, offload_activations=self.offload_activations
+        )
         if context is not None:
             backend.mark_sharded(batch["input_ids"])
         self.backends.append(backend)
@@ -197,6 +202,11 @@ class OursSP(Ours):
 
 class OursLongest(Ours):
     name, label, sac = "longest", "ours: SP + SAC, longest", "longest"
+
+
+class OursLongestOffload(Ours):
+    name, label, sac = "longest_offload", "ours: longest, inputs offloaded", "longest"
+    offload_activations = True
 
 
 class DeepSpeedAutoSP(Method):
@@ -363,7 +373,8 @@ class Ring(Method):
 
 
 METHODS: dict[str, type[Method]] = {
-    m.name: m for m in (OursSAC, OursSP, OursLongest, DeepSpeedAutoSP, Ulysses, ALST, DDP, Ring)
+    m.name: m
+    for m in (OursSAC, OursSP, OursLongest, OursLongestOffload, DeepSpeedAutoSP, Ulysses, ALST, DDP, Ring)
 }
 
 

@@ -94,7 +94,17 @@ DEFAULTS = {
     "threads": 1,
     "nproc": None,
 }
-METHOD_NAMES = ("sac", "longest", "sp", "deepspeed", "ulysses", "alst", "ddp", "ring")  # methods.METHODS
+METHOD_NAMES = (
+    "sac",
+    "longest",
+    "longest_offload",
+    "sp",
+    "deepspeed",
+    "ulysses",
+    "alst",
+    "ddp",
+    "ring",
+)  # methods.METHODS
 REFERENCE_METHOD = "ulysses"  # step-time ratios are against hand-written Ulysses
 PAIRED_REFERENCES = (REFERENCE_METHOD, "sp")  # per-round ratios are kept against these
 

@@ -128,6 +128,11 @@ CASES = {
     "gpt_len61_activation_budget": Case(
         GPTModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"activation_budget": 100 << 10}
     ),
+    # ALST's recipe as two options: every layer rebuilt in backward, its input in host memory until then
+    # (Note [Activation offload]; on CPU the copies stay in host memory, and the numbers must not move).
+    "gpt_len61_longest_offload": Case(
+        GPTModule, seq_len=61, strategy_kwargs={"sac": "longest", "offload_activations": True}
+    ),
     # Chunked LM head + loss, 5 tokens a chunk: uneven shards (31 + 30), ragged last chunks, ignored labels.
     "gpt_chunked_loss": Case(
         GPTModule, seq_len=61, ignored_tail=(5, 9), strategy_kwargs={"loss_chunk_tokens": 5}

@@ -81,6 +81,7 @@ def two_rank_results(tmp_path_factory) -> dict[int, dict]:
             *CHUNKED_LOSS_CASES,
             "gpt_chunked_loss_broken",
             "gpt_len61_activation_budget",
+            "gpt_len61_longest_offload",
             *PACKED_CASES,
             *FLASH_CASES,
         ],
@@ -307,6 +308,17 @@ def test_an_activation_budget_sends_only_the_layers_it_needs(two_rank_results):
         added = budget["backward_collectives"] - sac["backward_collectives"]
         assert added >= 2 and f"+{added} collectives" in budget["explain"], (rank, budget["explain"])
         assert "budget 0.10 MiB: 1 of 2 layers rebuild attention" in budget["explain"]
+
+
+@pytest.mark.timeout(1260)
+def test_offloaded_layer_inputs_give_one_devices_numbers(two_rank_results):
+    """Note [Activation offload]: with every layer rebuilt and its input copied to host and back, loss and
+    gradients are one device's on ranks of 31 and 30 tokens, and explain() says what moved."""
+    assert_parity(two_rank_results, "gpt_len61_longest_offload")
+    for rank, per_case in two_rank_results.items():
+        result = per_case["gpt_len61_longest_offload"]
+        assert result["layers_rebuilding_attention"] == 2, (rank, result["explain"])
+        assert "kept in host memory until backward" in result["explain"], (rank, result["explain"])
 
 
 @pytest.mark.timeout(1260)
