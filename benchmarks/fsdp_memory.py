@@ -180,7 +180,7 @@ def planned_step_peak(mode: str, world: int, report: dict) -> int:
     and not counted in the measured column). AdamW on CPU is PyTorch's for-loop implementation."""
     from transformers import LlamaConfig
 
-    from lightning_autosp.planner import Setup, model_shape, step_memory
+    from lightning_autosp.planning.planner import Setup, model_shape, step_memory
 
     shape = model_shape(LlamaConfig(**report["llama"]))
     setup = Setup(

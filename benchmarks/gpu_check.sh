@@ -7,7 +7,7 @@
 #
 # Steps, in this order, each killed at its time box (seconds; the environment variables override them):
 #   0. (60 s) that the CUDA attention backwards read their output only through its row sums, as
-#      compiler/row_sums.py relies on: `pytest tests/unit/test_row_sums.py -k "cuda or cpu_flash"`
+#      compiler/partition/row_sums.py relies on: `pytest tests/unit/test_row_sums.py -k "cuda or cpu_flash"`
 #   1. ring attention on the GPU kernels (RING_S=150): `python -m benchmarks.ring_kernels`: parity of
 #      the ring with SDPA per kernel (flash bf16/fp16 with a padded head dim, efficient fp32 and with
 #      flash off), time and peak memory against the dense fp32 fallback -> ring_kernels.json, .md
@@ -17,7 +17,7 @@
 #      -> headline.json, .md (extra arguments: HEADLINE_ARGS)
 #   2b. the memory policies at the same shapes (OFFLOAD_S=120): `python -m benchmarks.headline --methods longest
 #      longest_offload`: sac="longest" with and without its layer inputs in host memory (offload_activations,
-#      compiler/offload.py), sp=1 and rank 0 of sp=8 -> offload.json, .md
+#      compiler/partition/offload.py), sp=1 and rank 0 of sp=8 -> offload.json, .md
 #   3. the trainability suite (TRAIN_S=150): `python -m benchmarks.trainability --out FILE`, skipped with a
 #      message while that module does not exist -> trainability.json (extra arguments: TRAIN_ARGS)
 #   4. the model zoo (ZOO_S=150): `python -m benchmarks.zoo --out FILE`, likewise -> zoo.json (ZOO_ARGS)
@@ -98,7 +98,7 @@ if [[ "$dry_run" == 0 && "$gpus" -lt 1 ]]; then
   exit 2
 fi
 
-# 0. the CUDA kernels' side of Note [Attention output by its row sums] (compiler/row_sums.py)
+# 0. the CUDA kernels' side of Note [Attention output by its row sums] (compiler/partition/row_sums.py)
 step row_sums_kernels "$(box 60)" python -m pytest -q -p no:cacheprovider tests/unit/test_row_sums.py \
   -k "cuda or cpu_flash"
 

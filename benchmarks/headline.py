@@ -19,9 +19,9 @@ Per sp size P (``--sp``, default 1 and 8) and method (``--methods``, default ``s
   every term of a step's peak grows linearly with the sequence (flash attention's workspace included),
   so two points fix the line; a method whose peak grows faster shows it as a line fitted too low, which
   is why the second probe should be the longer one the time box allows;
-* modelled: ``lightning_autosp.memory_model`` (the planner's) at the same lengths, and its longest length
-  for the device, beside the measured line (``sac`` as SP + SAC with the chunked loss; ``ulysses`` as
-  no SAC, full fp32 logits, like HF's loss).
+* modelled: ``lightning_autosp.planning.memory_model`` (the planner's) at the same lengths, and its
+  longest length for the device, beside the measured line (``sac`` as SP + SAC with the chunked loss;
+  ``ulysses`` as no SAC, full fp32 logits, like HF's loss).
 
 Output: ``benchmarks/results/headline.json`` and ``.md`` (``--out``).
 """
@@ -86,7 +86,7 @@ def receiving_without_sending() -> Iterator[None]:
     raises where a rank sends nothing but receives rows: rank 0 in a label shift's window of the sequence
     (it takes the next rank's first label and gives none). There the stand-in rank receives zeros of the
     size it would receive (a few rows; memory is measured, not values)."""
-    from lightning_autosp.compiler import ops
+    from lightning_autosp.compiler.runtime import ops
 
     all_to_all = ops._all_to_all
 
@@ -108,9 +108,9 @@ def crossing(points: dict[int, float], budget: float) -> int | None:
 
 def modelled(method: str, model: Any, sp: int, dtype: str, seq_lens: list[int], budget: float) -> dict:
     """The memory model's bytes above the parameters at ``seq_lens``, and its longest length in ``budget``."""
-    from lightning_autosp.memory_model import Setup, step_memory
-    from lightning_autosp.model_shapes import model_shape
-    from lightning_autosp.planner import max_seq_len
+    from lightning_autosp.planning.memory_model import Setup, step_memory
+    from lightning_autosp.planning.model_shapes import model_shape
+    from lightning_autosp.planning.planner import max_seq_len
 
     shape = model_shape(model)
     setup = Setup(

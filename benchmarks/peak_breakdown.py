@@ -230,7 +230,7 @@ def _nbytes(node: Any) -> int:
 
 def backward_liveness(backward: Any) -> dict:
     """The values of the partitioned backward graph live where their bytes sum highest, by kind."""
-    from lightning_autosp.compiler.ops import is_collective
+    from lightning_autosp.compiler.runtime.ops import is_collective
 
     nodes = list(backward.graph.nodes)
     index = {node: i for i, node in enumerate(nodes)}
@@ -301,7 +301,7 @@ def _op(node: Any) -> str:
 
 def recording_partitioner(mode: str) -> Any:
     """The SAC partitioner, keeping the static breakdown of every backward graph it makes."""
-    from lightning_autosp.compiler.sac import SequenceAwarePartitioner
+    from lightning_autosp.compiler.partition.sac import SequenceAwarePartitioner
 
     class Recording(SequenceAwarePartitioner):
         def __init__(self) -> None:

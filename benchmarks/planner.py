@@ -14,7 +14,7 @@ so the compiled graph, its partition and every saved tensor are those of rank ``
 ``MemoryMonitor`` does. ``--peak`` adds the step's CPU allocator high-water mark (profiler events,
 ``benchmarks.measure.profiled_step``) against the planner's peak less what is allocated before the step
 (parameters, optimizer state, DDP buckets). ``--list`` prints every saved tensor (what
-Note [What is saved for backward] in ``lightning_autosp/memory_model.py`` is written from).
+Note [What is saved for backward] in ``lightning_autosp/planning/memory_model.py`` is written from).
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import lightning_autosp.compiler.ops as ops
+import lightning_autosp.compiler.runtime.ops as ops
 from benchmarks.common import completed_work, registered_process_group
 from lightning_autosp.callbacks import _storage_bytes
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import shard_batch
-from lightning_autosp.planner import Setup, model_shape, saved_activations, step_memory
+from lightning_autosp.planning.planner import Setup, model_shape, saved_activations, step_memory
 
 MiB = 2**20
 LOCAL_GROUP = "local"
 
 
 class LocalCollectives:
-    """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.ops``: every collective
+    """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.runtime.ops``: every collective
     fills its outputs with this rank's data (shapes exact, values meaningless), so one process runs
     the graph of one rank of an sp group."""
 

@@ -1,5 +1,5 @@
 """Ring attention's block kernels on one device: parity with SDPA, time and peak memory against the
-dense fp32 fallback (Note [Ring block kernels] in ``lightning_autosp/compiler/ring_kernels.py``).
+dense fp32 fallback (Note [Ring block kernels] in ``lightning_autosp/compiler/runtime/ring_kernels.py``).
 
     python -m benchmarks.ring_kernels                      # CUDA: the H200 check of benchmarks/gpu_check.sh
     python -m benchmarks.ring_kernels --device cpu --quick # the same code path, tiny, on the CPU
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import RESULTS, code_version, machine_info
-from lightning_autosp.compiler import ops, ring, ring_kernels
-from lightning_autosp.compiler.ring import ring_args
+from lightning_autosp.compiler.runtime import ops, ring, ring_kernels
+from lightning_autosp.compiler.runtime.ring import ring_args
 from lightning_autosp.data import SequenceShard
 
 MiB = 2**20

@@ -13,7 +13,7 @@ saved activations of every graph by producing op, and what the partitioner recom
 Methods, all on the same sequence-parallel graph (``AutoSPBackend`` with the SP pass, sp=2, gloo):
 
 * ``sp``: ``AutoSPBackend(sac=False)``, PyTorch's default min-cut partitioner.
-* ``sac``: ``AutoSPBackend(sac=True)``, ``lightning_autosp/compiler/sac.py``.
+* ``sac``: ``AutoSPBackend(sac=True)``, ``lightning_autosp/compiler/partition/sac.py``.
 * ``ds_sac``: ``AutoSPBackend(sac=False)`` compiled while DeepSpeed's SAC is in place: DeepSpeed's
   ``init_autosp`` calls ``register_long_context_checkpointing()``
   (``deepspeed/compile/passes/long_context_checkpointing.py``), which ``exec``s a copy of torch's

@@ -1,4 +1,5 @@
-"""The model zoo (``tests/zoo/families.py``) through ``lightning_autosp.verify`` on 2 ranks, and its table.
+"""The model zoo (``tests/zoo/families.py``) through ``lightning_autosp.tools.verify`` on 2 ranks, and its
+table.
 
     python -m benchmarks.zoo [--out benchmarks/results/zoo.json] [--families llama gpt2] [--nproc 2]
     python -m benchmarks.zoo --docs [--json benchmarks/results/zoo.json]

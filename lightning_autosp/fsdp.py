@@ -11,7 +11,7 @@ world) as ``DTensor``s on dim 0, FSDP2's layout. Two ways to gather them for the
 
 The SP and SAC passes are the same in both. Gradients come out exactly as with ``data_parallel="ddp"``:
 the reduce-scatter averages over the world, as DDP's all-reduce does, and the loss all-reduce's backward
-supplies the sp factor (Note [Loss over sequence shards] in ``compiler/losses.py``).
+supplies the sp factor (Note [Loss over sequence shards] in ``compiler/lower/losses.py``).
 
 Note [FSDP units under a compiled step]
     FSDP2 (torch 2.13) wraps its hooks in ``torch._dynamo.disable`` (tracing them was dropped
@@ -130,9 +130,9 @@ def shard_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
 
     The all-gather is then an op of the step's graph, right before the parameter's use, and the SAC
     partitioner re-runs it in backward instead of saving the gathered copy (Note [Gathered parameters
-    in backward] in ``compiler/sac.py``): at most a few layers' parameters are whole at any time. This
-    is ZeRO-3 inside a whole-step graph, which FSDP2's hooks cannot give (Note [FSDP units under a
-    compiled step]). Parameters shared between modules (tied embeddings) stay shared.
+    in backward] in ``compiler/partition/parameter_gathers.py``): at most a few layers' parameters are
+    whole at any time. This is ZeRO-3 inside a whole-step graph, which FSDP2's hooks cannot give (Note
+    [FSDP units under a compiled step]). Parameters shared between modules (tied embeddings) stay shared.
     """
     sharded: dict[int, nn.Parameter] = {}
     gathered_classes: dict[tuple[type, tuple[str, ...]], type] = {}

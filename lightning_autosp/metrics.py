@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_autosp.compiler.layout import SequenceTags
+from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.data import SequenceShard
 from lightning_autosp.outputs import whole_sequence
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_autosp.compiler.layout import SequenceTags, Tag
+from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
 from lightning_autosp.data import SequenceShard, all_gather_uneven, gather_sequence
 
 # predict_step outputs past this size, gathered whole on every rank, get a warning naming the option.

@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters, guard_failures
 
 from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mode, frames_not_compiled
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.plan import SequenceParallelRefusal
+from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
 from lightning_autosp.data import LengthClass, SequenceShard
 
 # What one compiled graph serves: a length class (every length with the same remainder over the sp
@@ -269,10 +269,10 @@ def _tracing_settings() -> contextlib.AbstractContextManager:
     - Python logging is left out of the trace (HF's ``logger.warning_once`` that ``use_cache`` is turned
       off under gradient checkpointing).
     - Python state a checkpointed region sets is set once, in forward, not again when backward recomputes:
-      the SP pass inlines every checkpointed region (``compiler/normalize.py``) and SAC recomputes graph ops
-      only, so nothing replays the region's Python code either way. transformers (from 5.25) sets and
-      resets a context variable in each attention's forward (``kernels``' ``use_kernelized_func``), which
-      under ``gradient_checkpointing_enable()`` otherwise breaks the graph at every layer.
+      the SP pass inlines every checkpointed region (``compiler/prove/normalize.py``) and SAC recomputes
+      graph ops only, so nothing replays the region's Python code either way. transformers (from 5.25) sets
+      and resets a context variable in each attention's forward (``kernels``' ``use_kernelized_func``),
+      which under ``gradient_checkpointing_enable()`` otherwise breaks the graph at every layer.
     """
     methods = {logging.Logger.debug, logging.Logger.info, logging.Logger.warning}
     methods |= {

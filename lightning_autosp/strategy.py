@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_autosp import fsdp, planner
+from lightning_autosp import fsdp
 from lightning_autosp.checkpoints import ShardedCheckpoints
 from lightning_autosp.compiler.backend import (
     DEFAULT_TILE_BYTES,
@@ -38,8 +38,8 @@ from lightning_autosp.compiler.backend import (
     check_backend_options,
 )
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.layout import SequenceTags, Tag
-from lightning_autosp.compiler.layout import shard as shard_layout
+from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
+from lightning_autosp.compiler.prove.layout import shard as shard_layout
 from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, gather_sequence, shard_batch
 from lightning_autosp.hang_watch import DEFAULT_HANG_TIMEOUT_S, HangWatch, enable_flight_recorder
 from lightning_autosp.mesh import (
@@ -64,6 +64,7 @@ from lightning_autosp.options import (
     process_group_timeout,
 )
 from lightning_autosp.outputs import gather_predictions
+from lightning_autosp.planning import planner
 from lightning_autosp.sample_check import check_same_sample
 from lightning_autosp.steps import CompiledSteps
 
@@ -88,8 +89,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
     Args:
         sp_size: ranks per sequence-parallel group (contiguous ranks). Defaults to the devices per node.
             "auto": the smallest that fits a ``max_seq_len``-token step in ``memory_per_device`` bytes
-            (default: the CUDA device's memory), from ``lightning_autosp.planner``, planned in setup()
-            for the module ``configure_model`` built (Note [Planning sp_size after configure_model] in
+            (default: the CUDA device's memory), from ``lightning_autosp.planning.planner``, planned in
+            setup() for the module ``configure_model`` built (Note [Planning sp_size after configure_model] in
             ``planner.py``); logged, and kept as ``strategy.sp_plan``.
         ulysses_degree: how much of sp is Ulysses (all-to-all over heads); the rest, sp_size /
             ulysses_degree, is ring attention (K/V blocks passed around). None: all of sp (sp_size must

@@ -16,19 +16,19 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_autosp.compiler import symbols
-from lightning_autosp.compiler.agreement import Outcome, agree, gather, graph_signature
-from lightning_autosp.compiler.chunked_loss import ChunkedLossReport, chunked_loss_pass
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.layout import SequenceTags, Tag, shard
-from lightning_autosp.compiler.ordering import CollectiveOrder
-from lightning_autosp.compiler.sac import DEFAULT_TILE_BYTES, SACReport, SequenceAwarePartitioner
+from lightning_autosp.compiler.lower.chunked_loss import ChunkedLossReport, chunked_loss_pass
+from lightning_autosp.compiler.partition.ordering import CollectiveOrder
+from lightning_autosp.compiler.partition.sac import DEFAULT_TILE_BYTES, SACReport, SequenceAwarePartitioner
+from lightning_autosp.compiler.prove.layout import SequenceTags, Tag, shard
+from lightning_autosp.compiler.runtime.agreement import Outcome, agree, gather, graph_signature
 from lightning_autosp.compiler.sp_pass import SPReport, sequence_parallel_pass
 from lightning_autosp.compiler.symbols import graph_shape_env
 
 Compiler = Literal["inductor", "aot_eager"]
 
 
-# What ``sac`` may be, and the partitioner's mode for each (compiler/sac.py).
+# What ``sac`` may be, and the partitioner's mode for each (compiler/partition/sac.py).
 SAC_VALUES = (True, False, "auto", "longest")
 _SAC_MODES = {True: "all", False: "off", "auto": "auto", "longest": "longest"}
 
@@ -93,19 +93,19 @@ class AutoSPBackend:
         sac: True recomputes everything but attention and collectives in backward; "auto" recomputes
             what fits in 10% of the step's FLOPs, cheapest per byte first; "longest" recomputes
             attention and its collectives too, keeping only each layer's input (Note [Layers that
-            recompute attention] in ``compiler/memory_policy.py``); False saves as PyTorch's min-cut
-            partitioner decides (``compiler/sac.py``).
+            recompute attention] in ``compiler/partition/memory_policy.py``); False saves as PyTorch's min-cut
+            partitioner decides (``compiler/partition/sac.py``).
         activation_budget: with sac True or "auto", the bytes of activations a rank may keep for
             backward per graph; layers rebuild attention and its collectives until SAC's saves fit.
         chunked_loss: compute ``cross_entropy(lm_head(hidden))`` in chunks of tokens without
-            materializing the logits (``compiler/chunked_loss.py``); reports in ``loss_reports``.
+            materializing the logits (``compiler/lower/chunked_loss.py``); reports in ``loss_reports``.
         loss_chunk_tokens: tokens per chunk; None keeps a chunk's logits within 2**26 elements.
         sac_tile_bytes: with SAC on, a row-wise region (an MLP, its rebuild and backward) whose widest
             inner value is at least this many bytes runs over tiles of tokens, so only one tile's wide
-            values are live (Note [Row tiling] in ``compiler/tiling.py``); None never tiles.
+            values are live (Note [Row tiling] in ``compiler/partition/tiling.py``); None never tiles.
         offload_activations: the values the forward saves for backward wait in host memory, copied
             out and back on a side stream on an accelerator (Note [Activation offload] in
-            ``compiler/offload.py``).
+            ``compiler/partition/offload.py``).
 
     Dynamo calls the backend once per graph: several times after graph breaks or when DDP splits
     the graph into buckets. Each call is rewritten on its own and leaves a report in ``reports``.

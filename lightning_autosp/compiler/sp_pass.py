@@ -30,17 +30,18 @@ from torch import fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from lightning_autosp.compiler import attention, masks, symbols
-from lightning_autosp.compiler.analysis import Analysis
+from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import eliminate_dead_code, meta_value
-from lightning_autosp.compiler.layout import SequenceTags, Tag
-from lightning_autosp.compiler.losses import losses_pass
-from lightning_autosp.compiler.normalize import normalize_pass
-from lightning_autosp.compiler.positions import lengths_pass, positions_pass
-from lightning_autosp.compiler.recompute import GlobalCopier, recompute_pass
-from lightning_autosp.compiler.redistribute import redistribute_pass
-from lightning_autosp.compiler.slices import selections_pass, slices_pass
+from lightning_autosp.compiler.lower import attention, masks
+from lightning_autosp.compiler.lower.losses import losses_pass
+from lightning_autosp.compiler.lower.positions import lengths_pass, positions_pass
+from lightning_autosp.compiler.lower.recompute import GlobalCopier, recompute_pass
+from lightning_autosp.compiler.lower.redistribute import redistribute_pass
+from lightning_autosp.compiler.lower.slices import selections_pass, slices_pass
+from lightning_autosp.compiler.prove.analysis import Analysis
+from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
+from lightning_autosp.compiler.prove.normalize import normalize_pass
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Models whose tokens mix outside ``F.scaled_dot_product_attention``, written as users write them for one
 device: torch's own attention modules, a per-head attention bias, a hybrid of linear attention and short
 convolutions, pooling heads for classification and reward models. The SP pass makes each exact by
-redistribution (Note [Redistribution] in ``compiler/analysis.py``).
+redistribution (Note [Redistribution] in ``compiler/prove/analysis.py``).
 
 Tiny: hidden 32, 4 heads, ``VOCAB`` tokens, every dropout 0; seeded by the caller.
 """
@@ -183,7 +183,7 @@ class WrittenAttentionGPT(HeadsLM):
 
 class CheckpointedGPT(_SGD):
     """The tests' GPT with every block under ``torch.utils.checkpoint`` (non-reentrant), as long-context
-    fine-tuning turns on first; SAC replaces it (``compiler/normalize.py``)."""
+    fine-tuning turns on first; SAC replaces it (``compiler/prove/normalize.py``)."""
 
     def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
         super().__init__()

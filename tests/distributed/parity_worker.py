@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import grad_rel_err  # noqa: E402
 from lightning_autosp import AutoSPStrategy  # noqa: E402
-from lightning_autosp.compiler import attention, chunked_loss  # noqa: E402
 from lightning_autosp.compiler import backend as backend_module  # noqa: E402
+from lightning_autosp.compiler.lower import attention, chunked_loss  # noqa: E402
 from lightning_autosp.compiler.sp_pass import SPReport  # noqa: E402
 from tests.distributed.attention_modules import (  # noqa: E402
     DocumentMaskGPTModule,

@@ -267,7 +267,7 @@ def test_graph_break_in_a_loop_is_an_error_not_a_silent_fallback(two_rank_result
 
 
 # The defaults users get (Inductor + SAC); batch 1 at 61 tokens made Inductor order the all-to-alls of
-# dq, dk and dv differently on the two ranks (Note [Collective order] in compiler/ordering.py).
+# dq, dk and dv differently on the two ranks (Note [Collective order] in compiler/partition/ordering.py).
 INDUCTOR_CASES = [
     "gpt_inductor",
     "gpt_len61_b1_inductor",

@@ -6,7 +6,7 @@ records what every rank saw and then meets a barrier, so a rank left inside a co
   shuffle, a user's ``DistributedSampler`` over all ranks) must fail in ``batch_to_device``, naming the
   ranks; the same loaders sharded by the dp rank, and Lightning's own sampler, train. With
   ``check_samples=False`` the mismatched loader trains (silently wrong: the check is what stops it).
-- ``agreement`` (Note [Ranks agree on their graphs]), each through ``lightning_autosp.verify``: uneven
+- ``agreement`` (Note [Ranks agree on their graphs]), each through ``lightning_autosp.tools.verify``: uneven
   shards compile the same signature on both ranks and are exact; a step that branches on
   ``torch.distributed.get_rank()`` compiles different graphs, which must raise the same error on every
   rank naming the first difference; graph breaks on data that differs between the shards (a token only

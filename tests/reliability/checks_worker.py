@@ -481,10 +481,10 @@ def check_varying_lengths() -> dict:
     return result
 
 
-# Windows of the sequence (Note [Windows of the sequence] in compiler/ops.py) at lengths that vary, odd and
-# even, shards down to 4 tokens: tokens joined to the sequence (one graph per length class), and a causal
-# convolution over it, whose Inductor CPU kernel fixes the length when compiled (as it does on one device:
-# a compile per length), so fewer lengths.
+# Windows of the sequence (Note [Windows of the sequence] in compiler/runtime/ops.py) at lengths that vary,
+# odd and even, shards down to 4 tokens: tokens joined to the sequence (one graph per length class), and a
+# causal convolution over it, whose Inductor CPU kernel fixes the length when compiled (as it does on one
+# device: a compile per length), so fewer lengths.
 VARYING_WINDOW_LENGTHS = {"joined_tokens": (24, 31, 17, 9, 22, 33, 8, 24), "convolution": (24, 31, 9)}
 
 

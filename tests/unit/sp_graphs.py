@@ -21,12 +21,12 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-import lightning_autosp.compiler.ops as ops
-import lightning_autosp.compiler.ring as ring
+import lightning_autosp.compiler.runtime.ops as ops
+import lightning_autosp.compiler.runtime.ring as ring
 from benchmarks.common import completed_work, registered_process_group
 from lightning_autosp.compiler import symbols
-from lightning_autosp.compiler.layout import REPLICATE, SequenceTags, Tag
-from lightning_autosp.compiler.layout import shard as layout_shard
+from lightning_autosp.compiler.prove.layout import REPLICATE, SequenceTags, Tag
+from lightning_autosp.compiler.prove.layout import shard as layout_shard
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard, shard_batch
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, TokenizedLlamaModule
@@ -240,8 +240,8 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 class ThreadedComm:
-    """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.ops`` and ``ring``: each rank
-    is a thread, and a collective exchanges the ranks' tensors through shared slots between two barriers.
+    """Stands in for ``torch.distributed`` inside ``lightning_autosp.compiler.runtime.ops`` and ``ring``: each
+    rank is a thread, and a collective exchanges the ranks' tensors through shared slots between two barriers.
 
     The functional collectives (``torch.ops._c10d_functional``) resolve their group by name in c10d's
     registry, below Python; there ``ThreadedGroup`` is registered under the test's group names and hands

@@ -60,7 +60,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_package_has_no_import_cycle() -> None:
     graph = _import_graph()
     # the walk sees imports
-    assert "lightning_autosp.compiler.analysis" in graph["lightning_autosp.compiler.sp_pass"]
+    assert "lightning_autosp.compiler.prove.analysis" in graph["lightning_autosp.compiler.sp_pass"]
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
 
@@ -77,3 +77,32 @@ def test_no_module_grows_much_past_500_lines() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these modules by what they do: {long}"
+
+
+# What each stage of the compiler may import from the others (docs/contributing.md, "Where the code is"):
+# the analysis decides before anything is rewritten, so it imports no rewrite, partitioner or runtime code;
+# the collectives that lowering inserts and the partitioner reads import neither of them.
+STAGE_IMPORTS = {
+    "prove": set(),
+    "runtime": {"prove"},
+    "lower": {"prove", "runtime"},
+    "partition": {"runtime"},
+}
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "compiler" and parts[2] in STAGE_IMPORTS else None
+
+
+def test_compiler_stages_import_only_the_stages_before_them() -> None:
+    graph = _import_graph()
+    assert {_stage(m) for m in graph} >= set(STAGE_IMPORTS)
+    wrong = sorted(
+        f"{module} imports {imported}"
+        for module, imports in graph.items()
+        if (stage := _stage(module)) is not None
+        for imported in imports
+        if (other := _stage(imported)) not in (None, stage) and other not in STAGE_IMPORTS[stage]
+    )
+    assert not wrong, wrong

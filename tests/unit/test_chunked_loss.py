@@ -9,15 +9,15 @@ import torch.nn.functional as F
 from torch import fx
 
 from lightning_autosp.compiler.backend import AutoSPBackend
-from lightning_autosp.compiler.chunked_loss import (
+from lightning_autosp.compiler.lower.chunked_loss import (
     ChunkedLossReport,
     chunked_loss_pass,
     default_chunk_tokens,
     linear_cross_entropy,
     token_chunks,
 )
-from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.compiler.sac import SequenceAwarePartitioner
+from lightning_autosp.compiler.partition.sac import SequenceAwarePartitioner
+from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.strategy import AutoSPStrategy
 from tests.distributed.modules import VOCAB

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_autosp.compiler.sac import SequenceAwarePartitioner
+from lightning_autosp.compiler.partition.sac import SequenceAwarePartitioner
 
 WORKER = Path(__file__).with_name("compile_cache_worker.py")
 HANG_GUARD_S = 600  # many times a cold Inductor compile of the worker's step

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_autosp.compiler.backend import AutoSPBackend
-from lightning_autosp.compiler.flash import bind_op, find_flash_attention
-from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.compiler.sac import SequenceAwarePartitioner, node_flops
+from lightning_autosp.compiler.partition.sac import SequenceAwarePartitioner, node_flops
+from lightning_autosp.compiler.prove.flash import bind_op, find_flash_attention
+from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard
 from tests.distributed.attention_modules import FlashGPT, FlashGPTModule, packed_inputs

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.fuzz import run_case, spec_of
-from lightning_autosp.compiler.ops import all_reduce_extremum
+from lightning_autosp.compiler.runtime.ops import all_reduce_extremum
 from tests.unit.sp_graphs import GROUP, run_ranks
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

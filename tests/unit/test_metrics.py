@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_autosp.compiler.layout import SequenceTags
+from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.metrics import MetricsOverShards
 
 torchmetrics = pytest.importorskip("torchmetrics")

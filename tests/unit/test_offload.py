@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler.backend import AutoSPBackend
-from lightning_autosp.compiler.offload import wait_one_copy_later
+from lightning_autosp.compiler.partition.offload import wait_one_copy_later
 from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import SequenceShard
 from tests.unit.test_sac import RecordingPartitioner, _assert_same, _ids, _module, _step

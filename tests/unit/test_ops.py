@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from lightning_autosp.compiler import ops as collectives
-from lightning_autosp.compiler.ops import (
+from lightning_autosp.compiler.runtime import ops as collectives
+from lightning_autosp.compiler.runtime.ops import (
     _from_seq_front,
     _head_to_seq_shape,
     _seq_front,

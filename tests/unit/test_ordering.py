@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from lightning_autosp.compiler.ops import head_to_seq
-from lightning_autosp.compiler.ordering import CollectiveOrder, collectives_in_order
+from lightning_autosp.compiler.partition.ordering import CollectiveOrder, collectives_in_order
+from lightning_autosp.compiler.runtime.ops import head_to_seq
 
 
 def _three_independent_all_to_alls(dq, dk, dv):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_autosp.compiler.layout import REPLICATE, Tag, shard
+from lightning_autosp.compiler.prove.layout import REPLICATE, Tag, shard
 from lightning_autosp.data import SequenceShard
 from lightning_autosp.outputs import whole_sequence
 

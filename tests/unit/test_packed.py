@@ -1,5 +1,5 @@
 """Packed documents under SP: masks rebuilt from gathered per-token inputs (Note [Masks over the whole
-sequence] in compiler/masks.py).
+sequence] in compiler/lower/masks.py).
 
 Graphs per rank, then every rank's rewritten graph run with the ranks as threads against one device.
 """
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.compiler.ops import gather_sequence
+from lightning_autosp.compiler.prove.layout import SequenceTags
+from lightning_autosp.compiler.runtime.ops import gather_sequence
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard
 from tests.distributed.attention_modules import (

@@ -17,9 +17,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from benchmarks.planner import compare, tiny_gpt, tiny_llama
 from examples.models import GPTModule, TinyGPT
 from lightning_autosp import AutoSPStrategy, plan
-from lightning_autosp.compiler.ring import ring_args
+from lightning_autosp.compiler.runtime.ring import ring_args
 from lightning_autosp.data import SequenceShard
-from lightning_autosp.planner import (
+from lightning_autosp.planning.cli import RECORDS, build_parser, readme_table, records_table
+from lightning_autosp.planning.planner import (
     LLAMA_3_1_8B,
     LLAMA_3_1_70B,
     GiB,
@@ -33,8 +34,7 @@ from lightning_autosp.planner import (
     saved_activations,
     step_memory,
 )
-from lightning_autosp.planner_cli import RECORDS, build_parser, readme_table, records_table
-from lightning_autosp.sp_cost import SPLayout, a2a_bytes, ring_bytes
+from lightning_autosp.planning.sp_cost import SPLayout, a2a_bytes, ring_bytes
 from tests.unit.sp_graphs import ThreadedComm, run_ranks
 
 TOLERANCE = 0.15
@@ -242,7 +242,7 @@ def test_plan_renders_and_flags_sp_groups_across_nodes() -> None:
 
 
 def test_the_command_line_prints_a_plan_without_warnings() -> None:
-    command = [sys.executable, "-m", "lightning_autosp.planner_cli", "--seq-len", "131072"]
+    command = [sys.executable, "-m", "lightning_autosp.planning.cli", "--seq-len", "131072"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("**Llama-3.1-8B**")

@@ -10,10 +10,10 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 import lightning_autosp.strategy as strategy_module
-from lightning_autosp.compiler import ops as collectives
-from lightning_autosp.compiler.layout import SequenceTags
-from lightning_autosp.compiler.ring import find_blocks, ring_args
-from lightning_autosp.compiler.slices import fetch_plan
+from lightning_autosp.compiler.lower.slices import fetch_plan
+from lightning_autosp.compiler.prove.layout import SequenceTags
+from lightning_autosp.compiler.runtime import ops as collectives
+from lightning_autosp.compiler.runtime.ring import find_blocks, ring_args
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard, in_sequence_order, shard_batch
 from lightning_autosp.mesh import (

@@ -1,4 +1,4 @@
-"""The kernels of ring attention blocks (``compiler/ring_kernels.py``), on the CPU.
+"""The kernels of ring attention blocks (``compiler/runtime/ring_kernels.py``), on the CPU.
 
 The CUDA kernels cannot run here. Their code paths are checked in two ways: against the real aten ops'
 meta kernels (argument order, types and output shapes: what the CUDA build dispatches to), and for
@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_autosp.compiler import ring, ring_kernels
-from lightning_autosp.compiler.ring import ring_args
-from lightning_autosp.compiler.ring_kernels import (
+from lightning_autosp.compiler.runtime import ring, ring_kernels
+from lightning_autosp.compiler.runtime.ring import ring_args
+from lightning_autosp.compiler.runtime.ring_kernels import (
     KERNELS,
     choose_kernel,
     cuda_kernel,

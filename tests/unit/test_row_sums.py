@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.common import grad_rel_err, rel_err
-from lightning_autosp.compiler import row_sums, sac
+from lightning_autosp.compiler.partition import row_sums, sac
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule
 from tests.unit.sp_graphs import simulate_compiled_step, single_device
 

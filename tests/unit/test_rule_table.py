@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from benchmarks.common import grad_rel_err, rel_err
-from lightning_autosp.compiler.rules import RULES_BY_OP, rule_for
-from lightning_autosp.compiler.rules.elementwise import pointwise
+from lightning_autosp.compiler.prove.rules import RULES_BY_OP, rule_for
+from lightning_autosp.compiler.prove.rules.elementwise import pointwise
 from tests.distributed.modules import VOCAB
 from tests.unit.sp_graphs import simulate_step, single_device
 

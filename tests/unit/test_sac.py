@@ -13,14 +13,18 @@ from torch.utils.checkpoint import CheckpointPolicy
 from benchmarks.measure import allocator_peak
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.fx_utils import forward_nodes
-from lightning_autosp.compiler.memory_policy import LayerSaves, choose_layers, values_shared_by_layers
-from lightning_autosp.compiler.ops import is_collective
-from lightning_autosp.compiler.sac import (
+from lightning_autosp.compiler.partition.memory_policy import (
+    LayerSaves,
+    choose_layers,
+    values_shared_by_layers,
+)
+from lightning_autosp.compiler.partition.sac import (
     SequenceAwarePartitioner,
     layer_boundaries,
     recompute_policy,
     tag_recompute_policy,
 )
+from lightning_autosp.compiler.runtime.ops import is_collective
 from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import SequenceShard
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, TinyGPT

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from lightning_autosp.compiler.analysis import Analysis
-from lightning_autosp.compiler.attention import SDPA_SIGNATURE
 from lightning_autosp.compiler.fx_utils import bind, example_value
-from lightning_autosp.compiler.layout import REPLICATE, SequenceTags, Tag, shard
-from lightning_autosp.compiler.masks import is_causal_mask
-from lightning_autosp.compiler.recompute import GlobalCopier
+from lightning_autosp.compiler.lower.attention import SDPA_SIGNATURE
+from lightning_autosp.compiler.lower.masks import is_causal_mask
+from lightning_autosp.compiler.lower.recompute import GlobalCopier
+from lightning_autosp.compiler.prove.analysis import Analysis
+from lightning_autosp.compiler.prove.layout import REPLICATE, SequenceTags, Tag, shard
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard
 from tests.distributed.modules import VOCAB, TinyGPT

@@ -1,6 +1,6 @@
 """Every rank's rewritten graph run in one process, ranks as threads, collectives simulated in memory.
 
-``ThreadedComm`` replaces ``torch.distributed`` inside ``lightning_autosp.compiler.ops`` only, so the
+``ThreadedComm`` replaces ``torch.distributed`` inside ``lightning_autosp.compiler.runtime.ops`` only, so the
 autosp ops, their autograd formulas and the rewritten graphs run unchanged. This checks the numbers
 the graph-level tests cannot: each rank's loss is the single-device loss, and the mean of the ranks'
 gradients (what DDP computes) is the single-device gradient.
@@ -11,7 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_autosp.compiler.ops import head_to_seq, seq_to_head, seq_to_head_packed, sequence_window
+from lightning_autosp.compiler.runtime.ops import (
+    head_to_seq,
+    seq_to_head,
+    seq_to_head_packed,
+    sequence_window,
+)
 from lightning_autosp.data import SequenceShard
 from tests.unit.sp_graphs import ALL_REDUCE_SUM, global_batch, module, rewritten_step, run_ranks
 

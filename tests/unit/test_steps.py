@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_autosp.compiler.backend import AutoSPBackend
-from lightning_autosp.compiler.plan import SequenceParallelRefusal
+from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
 from lightning_autosp.data import SequenceShard
 from lightning_autosp.steps import RECOMPILES_PER_LAYOUT, CompiledSteps, check_sequence_parallel_applied
 

@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler.backend import AutoSPBackend
-from lightning_autosp.compiler.sac import SequenceAwarePartitioner
+from lightning_autosp.compiler.partition.sac import SequenceAwarePartitioner
 from tests.distributed.modules import VOCAB, LlamaModule, TinyGPT
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -1,4 +1,4 @@
-"""``lightning_autosp.verify``'s pieces that need no processes: the batch cut, the gradient metric, the
+"""``lightning_autosp.tools.verify``'s pieces that need no processes: the batch cut, the gradient metric, the
 reference step and the result's verdict and tables. The runs themselves: tests/examples/test_cli.py
 (``autosp verify``), tests/zoo and tests/reliability (``verify`` under torchrun)."""
 
@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 from benchmarks.common import grad_rel_err
-from lightning_autosp.verify import (
+from lightning_autosp.tools.verify import (
     RankResult,
     VerifyResult,
     cut_sequence,

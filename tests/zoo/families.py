@@ -1,6 +1,6 @@
 """The model zoo: the families people fine-tune for long context, each built tiny from its default config.
 
-Every family is run by ``tests/zoo/worker.py`` through ``lightning_autosp.verify`` at an even and an odd
+Every family is run by ``tests/zoo/worker.py`` through ``lightning_autosp.tools.verify`` at an even and an odd
 length with sp=2 (aot_eager), a few also under Inductor + SAC, and must meet its expectation here: exact
 (loss <= 1e-5, gradients <= 1e-4 on every rank) or refused with an error containing ``refusal``, the
 same on every rank. ``python -m benchmarks.zoo`` runs them all and writes the README's table.

@@ -1,5 +1,5 @@
 """Run the model zoo under torchrun: every family of ``tests/zoo/families.py`` through
-``lightning_autosp.verify`` (one Lightning step on one device and under AutoSPStrategy, compared).
+``lightning_autosp.tools.verify`` (one Lightning step on one device and under AutoSPStrategy, compared).
 
     torchrun --nproc_per_node=2 tests/zoo/worker.py --out zoo.json [--families llama gpt2] [--lengths 27]
 

@@ -1,0 +1,141 @@
+"""What the sequence-layout analysis decides, as typed records that lowering executes.
+
+``Analysis`` (``analysis.py``) fills one ``Plan`` per graph: the nodes each rewrite family changes, the
+moves of values between layouts (``Redistribution``, Note [Redistribution] in ``analysis.py``), and the
+``Refusal`` of anything it cannot prove exact. The rewrite families read these records and re-derive
+nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import fx
+
+from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler.fx_utils import meta_value, op_name, source_line
+from lightning_autosp.compiler.prove.layout import Layout
+
+
+class SequenceParallelRefusal(NotImplementedError):
+    """The SP pass cannot prove a step exact under sequence parallelism, so it refuses to run it: the message
+    lists each op with the user's source line and a fix. Raised on every rank alike, before any collective
+    of the step (Note [Ranks agree on their graphs]); a NotImplementedError, as an unsupported program is."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    node: fx.Node | None
+    reason: str
+    fix: str
+    where: str | None = None  # instead of the node's op and source line
+
+    def __str__(self) -> str:
+        where = self.where or f"{op_name(self.node)} at {source_line(self.node)}"
+        return f"- {where}: {self.reason}. {self.fix}"
+
+
+Move = Literal["all_to_all", "all_reduce", "all_gather", "recompute", "narrow"]
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """``user`` needs ``value`` in layout ``target`` (Note [Redistribution])."""
+
+    value: fx.Node
+    user: fx.Node
+    source: Layout
+    target: Layout
+    via: Move
+
+    @property
+    def collective(self) -> str:
+        return {
+            "all_to_all": "all-to-all",
+            "all_reduce": "all-reduce",
+            "all_gather": "all-gather of its blocks",
+            "recompute": "all-gather of its token inputs (recomputed whole)",
+            "narrow": "none (this rank's block, cut locally)",
+        }[self.via]
+
+    def bytes(self) -> int:
+        """What this rank holds of the value before the move (the all-to-all sends (P-1)/P of it)."""
+        value = meta_value(self.value)
+        if not isinstance(value, torch.Tensor):
+            return 0
+        return math.prod(symbols.hint(size) or 1 for size in value.shape) * value.element_size()
+
+    def __str__(self) -> str:
+        return (
+            f"{self.value.name} {self.source} -> {self.target} for {op_name(self.user)} at "
+            f"{source_line(self.user)}: {self.collective}, {self.bytes()} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class ConvolutionWindow:
+    """A stride-1 convolution along the sequence run on the output positions this rank owns, from a window
+    of its input with the neighbouring shards' boundary rows (Note [Windows of the sequence] in ops.py)."""
+
+    dim: int  # the input's sequence dim
+    spatial: int  # its index among the convolution's spatial dims
+    pad_before: int  # zeros the convolution puts before the sequence
+    pad_after: int  # and after it
+    extent: int  # dilation * (kernel - 1): how many more inputs than outputs a window holds
+
+    def output_length(self, length: object) -> object:
+        """Output positions of the convolution over ``length`` input positions (int or SymInt)."""
+        return length + self.pad_before + self.pad_after - self.extent
+
+    def window(self, first: object, stop: object) -> tuple[object, object]:
+        """The input positions ``[start, stop)`` that outputs ``[first, stop)`` read."""
+        return first - self.pad_before, stop - self.pad_before + self.extent
+
+
+@dataclass(frozen=True)
+class TokenInsertion:
+    """Replicated tokens joined to a sharded sequence at its start or end (``cat([prefix, x, suffix])``
+    along it): this rank's positions of the longer sequence, from a window of ``x`` with the prefix and
+    suffix in place of zeros (Note [Windows of the sequence] in ops.py)."""
+
+    dim: int
+    index: int  # the sharded operand's place among the joined tensors
+    before: int  # positions the tensors before it add
+    after: int  # and those after it
+
+
+@dataclass
+class Plan:
+    """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
+
+    attention: list[fx.Node] = field(default_factory=list)  # SDPA / flash-attn calls
+    attention_lengths: dict[fx.Node, object] = field(default_factory=dict)  # SDPA on a derived length
+    positions: list[fx.Node] = field(default_factory=list)  # arange(S_r) -> this rank's positions
+    tables: list[fx.Node] = field(default_factory=list)  # table[:S_r] -> rows at this rank's positions
+    slices: list[fx.Node] = field(default_factory=list)  # slices / narrows / right pads along the sequence
+    recompute: list[fx.Node] = field(default_factory=list)  # token data mixed along the sequence
+    reductions: list[fx.Node] = field(default_factory=list)  # means over the sequence -> sum / global count
+    extrema: list[fx.Node] = field(default_factory=list)  # amax / amin over the sequence -> all-reduce
+    losses: list[fx.Node] = field(default_factory=list)  # cross_entropy / nll_loss mean -> global mean
+    redistributions: list[Redistribution] = field(default_factory=list)  # Note [Redistribution]
+    split_shapes: dict[fx.Node, None] = field(default_factory=dict)  # views of split values: local sizes
+    selections: list[fx.Node] = field(default_factory=list)  # positions picked along the sequence -> partial
+    split_convolutions: dict[fx.Node, int] = field(default_factory=dict)  # -> its groups on this rank
+    value_sizes: dict[tuple[fx.Node, fx.Node], None] = field(default_factory=dict)  # (user, size) as values
+    global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
+    windows: dict[fx.Node, ConvolutionWindow] = field(default_factory=dict)  # convolutions along it
+    insertions: dict[fx.Node, TokenInsertion] = field(default_factory=dict)  # tokens joined to it
+
+    def traffic(self) -> tuple[int, int]:
+        """(collectives, bytes this rank holds of what they move) of the moves and windows, at the traced
+        lengths (Note [Windows or blocks] in sp_pass.py)."""
+        moves = [move for move in self.redistributions if move.via in ("all_to_all", "all_reduce")]
+        window_bytes = 0
+        for node, window in self.windows.items():
+            value = meta_value(node.args[0])
+            held = math.prod(symbols.hint(size) or 1 for size in value.shape) * value.element_size()
+            window_bytes += held // (symbols.hint(value.shape[window.dim]) or 1) * window.extent
+        return len(moves) + len(self.windows), sum(move.bytes() for move in moves) + window_bytes

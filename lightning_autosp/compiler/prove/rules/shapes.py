@@ -1,0 +1,447 @@
+"""Rules for ops that move, join or create dims: views, pads, concatenation, splits, factories.
+
+A view that keeps the sequence dim, or flattens it with its outer dims, propagates (one that cuts it into
+chunks runs on the whole sequence, Note [Redistribution]); right pads along the sequence pad the global
+sequence (``slices.py``); positions (``arange`` over the length) become this rank's positions
+(``positions.py``). Slices and indexing: ``indexing.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler.fx_utils import flatten, meta_value
+from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout, shard, split
+from lightning_autosp.compiler.prove.plan import TokenInsertion
+from lightning_autosp.compiler.prove.rules import dispatch
+from lightning_autosp.compiler.prove.rules.common import (
+    arg,
+    ndim,
+    normalize_dims,
+    partial_passes,
+    sequence_dims_of_output,
+    tensor_nodes,
+)
+from lightning_autosp.compiler.prove.rules.split import Operand, align, handles_split, split_along
+
+# --------------------------------------------------------------------------------------------------
+# views
+
+
+@dispatch.handles_local_order
+@handles_split
+def view(a, node: fx.Node) -> Layout:
+    """view / reshape / flatten / unflatten / squeeze / unsqueeze / view_as / reshape_as."""
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    partial = partial_passes(a, node)
+    if partial:
+        return partial
+    source = node.args[0]
+    layout = a.layout(source)
+    in_shape, out_shape = a.shape(source), a.shape(node)
+    if layout.kind in ("rows", "inverse"):
+        return _keeps_rows(a, node, source, layout)
+    if in_shape is None or out_shape is None or layout.kind not in ("shard", "global", "split"):
+        return layout
+    if layout.kind == "global":  # a mask handed on whole: its sizes are the global ones
+        a.plan.global_shapes[node] = None
+    hints_in = [symbols.hint(v) for v in meta_value(source).shape]
+    hints_out = [symbols.hint(v) for v in meta_value(node).shape]
+    groups = _view_groups(hints_in, hints_out)
+    split_dim = None
+    if layout.is_split:
+        split_dim = _split_through_view(a, layout.split, groups, hints_in, hints_out, layout.dims)
+        if split_dim is None:  # its block is not one block of the new shape: back to sequence shards
+            a.sequence_home(source)
+            return view(a, node)
+        a.plan.split_shapes[node] = None
+    if split_dim is not None:  # the sequence is whole: views may cut it into chunks and join them
+        return _split_view(a, layout, split_dim, groups, hints_in, out_shape)
+    dims, flat = set(), set()
+    for group_in, group_out in groups:
+        seq_in = [d for d in group_in if d in layout.dims]
+        if not seq_in:
+            continue
+        carriers = [d for d in group_out if a.has_sequence_symbol(out_shape[d])]
+        merged = len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in seq_in)
+        # Size-1 dims join the run before them (``_view_groups``) but hold no elements: a run
+        # (s, 1) -> (s, 1) keeps the sequence whole (multi-head attention at batch size 1).
+        sized_in = [d for d in group_in if hints_in[d] != 1 or d in seq_in]
+        sized_out = [d for d in group_out if hints_out[d] != 1 or d in carriers]
+        if len(seq_in) > 1 or len(carriers) != 1 or (len(sized_in) > 1 and len(sized_out) > 1):
+            if _whole_sequence_for_a_block(a, node, source, layout, groups):
+                return view(a, node)
+            return a.refuse(
+                node,
+                f"reshapes the sequence dim {seq_in} of {tuple(in_shape)} into {tuple(out_shape)} in "
+                "a way that mixes it with another dim",
+                "Keep the sequence dim whole in views (flattening it with the dims before it is fine)",
+            )
+        (out_dim,) = carriers
+        dims.add(out_dim)
+        if merged or any(d in layout.flat for d in seq_in) and len(group_out) == 1:
+            flat.add(out_dim)
+    return Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+
+
+def _split_view(a, layout: Layout, split_dim: int, groups: list, hints_in: list[int], out_shape) -> Layout:
+    """Where the tokens go through a view of a split value: a token dim kept (or flattened with the dims
+    before it), cut into (chunk, position in chunk) dims, or such a pair joined back into one."""
+    dims, flat, chunks = set(), set(), set()
+    pairs = {pair: pair for pair in layout.chunks}
+    for group_in, group_out in groups:
+        tokens_in = [d for d in group_in if d in layout.dims]
+        carriers = [d for d in group_out if a.has_sequence_symbol(out_shape[d])]
+        joined = [pair for pair in pairs if set(pair) <= set(group_in)]
+        if tokens_in and len(carriers) == 1:
+            dims.add(carriers[0])
+            if len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in tokens_in):
+                flat.add(carriers[0])
+        elif len(tokens_in) == 1 and len(group_in) == 1 and carriers == group_out and len(carriers) == 2:
+            chunks.add(tuple(carriers))
+        elif joined and len(carriers) == 1 and set(group_in) == set(joined[0]):
+            dims.add(carriers[0])
+    return split(split_dim, *sorted(dims), flat=tuple(sorted(flat)), chunks=tuple(sorted(chunks)))
+
+
+def _whole_sequence_for_a_block(a, node: fx.Node, source: fx.Node, layout: Layout, groups: list) -> bool:
+    """A view that cuts the sequence into chunks (chunked linear attention, Mamba's scan) is a plain view of
+    the whole sequence: move the source there, for a block of a dim the view keeps apart (its heads)."""
+    if layout.kind != "shard" or source in a.token_data:
+        return False
+    kept = [group_in[0] for group_in, group_out in groups if len(group_in) == 1 and len(group_out) == 1]
+    candidates = [d for d in kept if d not in layout.dims]
+    ordered = [d for d in candidates if d != 0] + [d for d in candidates if d == 0]
+    return any(split_along(a, source, dim) for dim in ordered)
+
+
+def _keeps_rows(a, node: fx.Node, source: fx.Node, layout: Layout) -> Layout:
+    """A view or expand of a mixture of experts' rows keeps them if dim 0 stays as it is."""
+    before, after = meta_value(source).shape, meta_value(node).shape
+    if len(after) == 0 or len(before) == 0 or str(before[0]) != str(after[0]):
+        return a.refuse(node, f"reshapes the row dim of {layout}", dispatch.FIX)
+    return layout
+
+
+def _split_through_view(
+    a, dim: int, groups: list, hints_in: list[int], hints_out: list[int], sequence: tuple[int, ...]
+) -> int | None:
+    """Where a split dim goes through a view: its blocks stay blocks when it is the outermost dim (of
+    size > 1) of its group and the outermost dim of the group's output cuts into P blocks too."""
+    for group_in, group_out in groups:
+        if dim not in group_in:
+            continue
+        outer_in = [d for d in group_in if hints_in[d] != 1]
+        outer_out = [d for d in group_out if hints_out[d] != 1]
+        if any(d in sequence for d in group_in) or not outer_in or outer_in[0] != dim or not outer_out:
+            return None
+        return outer_out[0] if hints_out[outer_out[0]] % a.context.shard.world == 0 else None
+    return None
+
+
+def _view_groups(shape_in: list[int], shape_out: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input and output dims with equal products (size-1 dims join the run before them)."""
+    groups, i, j = [], 0, 0
+    while i < len(shape_in) or j < len(shape_out):
+        group_in, group_out, size_in, size_out = [], [], 1, 1
+        while True:
+            if (size_in <= size_out or j >= len(shape_out)) and i < len(shape_in):
+                size_in *= shape_in[i]
+                group_in.append(i)
+                i += 1
+            elif j < len(shape_out):
+                size_out *= shape_out[j]
+                group_out.append(j)
+                j += 1
+            else:
+                break
+            if size_in == size_out:
+                while i < len(shape_in) and shape_in[i] == 1:
+                    group_in.append(i)
+                    i += 1
+                while j < len(shape_out) and shape_out[j] == 1:
+                    group_out.append(j)
+                    j += 1
+                break
+        groups.append((group_in, group_out))
+    return groups
+
+
+@dispatch.handles_local_order
+@handles_split
+def permute(a, node: fx.Node) -> Layout:
+    """permute / transpose / swapaxes / movedim / t / T / mT."""
+    partial = partial_passes(a, node)
+    if partial:
+        return partial
+    layout = a.layout(node.args[0])
+    rank = ndim(node.args[0])
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    order = list(range(rank))
+    if name == "permute":
+        order = normalize_dims(flatten([list(node.args[1:]), node.kwargs.get("dims", [])]), rank)
+    elif name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = normalize_dims([arg(node, 1, "dim0"), arg(node, 2, "dim1")], rank)
+        order[d0], order[d1] = order[d1], order[d0]
+    elif name in ("t", "T", "mT"):
+        order[-2:] = order[-2:][::-1] if rank >= 2 else order[-2:]
+    elif name == "movedim":
+        source = normalize_dims(arg(node, 1, "source"), rank)
+        destination = normalize_dims(arg(node, 2, "destination"), rank)
+        rest = [d for d in range(rank) if d not in source]
+        order = [None] * rank
+        for s, d in zip(source, destination):
+            order[d] = s
+        order = [d if d is not None else rest.pop(0) for d in order]
+    return layout.mapped({old: new for new, old in enumerate(order)})
+
+
+@dispatch.handles_local_order
+@handles_split
+def expand(a, node: fx.Node) -> Layout:
+    """expand / expand_as / broadcast_to / repeat / tile: a new sequence-sized dim repeats one value."""
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    partial = partial_passes(a, node)
+    if partial:
+        return partial
+    source = node.args[0]
+    layout = a.layout(source)
+    offset = ndim(node) - ndim(source)
+    dims = {d + offset for d in layout.dims}
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if layout.kind in ("rows", "inverse"):
+        return (
+            _keeps_rows(a, node, source, layout)
+            if offset == 0
+            else a.refuse(node, f"adds dims before the row dim of {layout}", dispatch.FIX)
+        )
+    if layout.is_split:
+        if name in ("repeat", "tile"):
+            a.sequence_home(source)
+            return expand(a, node)
+        a.plan.split_shapes[node] = None
+        flat = tuple(d + offset for d in layout.flat)
+        return split(layout.split + offset, *(dims | sequence_dims_of_output(a, node)), flat=flat)
+    if name in ("repeat", "tile"):
+        repeats = [
+            symbols.hint(meta_value(r) if isinstance(r, fx.Node) else r)
+            for r in flatten([*node.args[1:], *node.kwargs.values()])
+        ]
+        repeats = [1] * (ndim(node) - len(repeats)) + repeats  # tile's are aligned to the last dims
+        if any(repeats[d] != 1 for d in dims if d < len(repeats)):
+            return a.refuse(node, "repeats values along the sequence", "Repeat along other dims only")
+    dims |= sequence_dims_of_output(a, node)
+    if layout.kind == "global":
+        a.plan.global_shapes[node] = None
+        return Layout("global", tuple(sorted(dims)))
+    return shard(*dims, flat=tuple(d + offset for d in layout.flat))
+
+
+@handles_split
+def pad(a, node: fx.Node) -> Layout:
+    a.shape_use(*node.args[1:])
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    pads = list(arg(node, 1, "pad"))
+    touched = [rank - 1 - i for i in range(len(pads) // 2) if (pads[2 * i], pads[2 * i + 1]) != (0, 0)]
+    if layout.is_split and layout.split in touched:
+        layout = a.sequence_home(source)
+    if layout.is_split:  # the sequence is whole: padded as written
+        return layout
+    sequence = [d for d in touched if d in layout.dims]
+    if not sequence:
+        return layout
+    left = pads[2 * (rank - 1 - sequence[0])]
+    mode = arg(node, 2, "mode", "constant")
+    if (
+        left
+        or mode != "constant"
+        or len(sequence) > 1
+        or sequence[0] in layout.flat
+        or layout.kind != "shard"
+    ):
+        return a.mixes(
+            node,
+            "pads the start of the sequence (or pads it other than with a constant)",
+            layout,
+            "Pad at the end of the sequence, or in the data pipeline",
+        )
+    a.plan.slices.append(node)
+    return layout
+
+
+# --------------------------------------------------------------------------------------------------
+# joining and splitting
+
+
+@handles_split
+def cat(a, node: fx.Node) -> Layout:
+    """cat / concat: an operand with no elements adds nothing, so ``cat([empty, x])`` is ``x`` (HF's
+    ``DynamicCache`` appends each layer's keys and values to an empty tensor, which training never reads
+    again); joining pieces along the sequence is refused unless they are token data."""
+    operands = tensor_nodes([arg(node, 0, "tensors")])
+    tensors = [t for t in operands if not _has_no_elements(t)] or operands
+    if len(tensors) == 1:
+        return a.layout(tensors[0])
+    rank = ndim(node)
+    dim = normalize_dims(arg(node, 1, "dim", 0), rank)[0]
+    split_side = [t for t in tensors if a.layout(t).is_split]
+    if split_side:  # joined along another dim than the split one: on the whole sequence, any dim is fine
+        out_dim = a.layout(split_side[0]).split
+        joined = (
+            None
+            if dim == out_dim
+            else align(a, [Operand(t, {d: d for d in range(rank)}) for t in tensors], out_dim, rank)
+        )
+        if joined is not None:
+            return joined
+        for tensor in split_side:
+            a.sequence_home(tensor)
+    layouts = [a.layout(t) for t in tensors]
+    if all(layout == PARTIAL for layout in layouts):
+        return PARTIAL
+    for tensor in tensors:
+        a.materialize(tensor)
+    dims = {d for layout in layouts for d in layout.dims}
+    if dim in dims:
+        inserted = _inserted_tokens(a, node, operands, dim)
+        if inserted is not None:
+            a.plan.insertions[node] = inserted
+            return shard(dim)
+        return a.mixes(
+            node, "concatenates along the sequence", shard(*dims), "Concatenate in the data pipeline"
+        )
+    if len({layout for layout in layouts if layout != PARTIAL}) > 1:
+        return a.refuse(
+            node, "concatenates values of different sequence layouts", "Concatenate like with like"
+        )
+    return layouts[0] if layouts[0] != PARTIAL else REPLICATE
+
+
+def _inserted_tokens(a, node: fx.Node, operands: list[fx.Node], dim: int) -> TokenInsertion | None:
+    """``cat([prefix..., x, suffix...], dim)`` of one activation sharded along ``dim`` alone and replicated
+    tokens of fixed counts (learned start, register or memory tokens): None for anything else."""
+    sharded = [i for i, t in enumerate(operands) if a.layout(t) != REPLICATE]
+    if len(sharded) != 1 or node in a.token_data or not a.context.shard.is_contiguous:
+        return None
+    index = sharded[0]
+    layout = a.layout(operands[index])
+    if layout != shard(dim) or a.context.shard.ring_degree != 1:
+        return None
+    counts = [meta_value(t).shape[dim] for i, t in enumerate(operands) if i != index]
+    if not all(isinstance(count, int) for count in counts):
+        return None
+    return TokenInsertion(dim, index, sum(counts[:index]), sum(counts[index:]))
+
+
+def _has_no_elements(node: fx.Node) -> bool:
+    """Traced with a size 0 that is a number, not a symbol (a sequence length is never 0)."""
+    value = meta_value(node)
+    return isinstance(value, torch.Tensor) and any(
+        isinstance(size, int) and size == 0 for size in value.shape
+    )
+
+
+def _one_piece_holds_every_token(node: fx.Node, dim: int) -> bool:
+    """A split at the sequence's end (or start): one piece is the whole sequence, the others are traced
+    with a number 0 along it (a length, a symbol, minus itself). Each rank then keeps its whole shard in
+    that piece and nothing in the others, which is the global split's shard. transformers' Mamba-2 scans
+    (from 5.25) split off the last tokens whose states a cache keeps, none in training."""
+    pieces = meta_value(node)
+    if not isinstance(pieces, (tuple, list)) or len(pieces) < 2:
+        return False
+    sizes = [piece.shape[dim] for piece in pieces if isinstance(piece, torch.Tensor)]
+    empty = [isinstance(size, int) and size == 0 for size in sizes]
+    return len(sizes) == len(pieces) and sum(empty) == len(pieces) - 1
+
+
+def stack(a, node: fx.Node) -> Layout:
+    tensors = tensor_nodes([arg(node, 0, "tensors")])
+    layouts = [a.layout(t) for t in tensors]
+    if all(layout == PARTIAL for layout in layouts):
+        return PARTIAL
+    for tensor in tensors:
+        a.materialize(tensor)
+    layouts = [REPLICATE if layout == PARTIAL else layout for layout in layouts]
+    if len(set(layouts)) > 1:
+        return a.refuse(node, "stacks values of different sequence layouts", "Stack like with like")
+    dim = normalize_dims(arg(node, 1, "dim", 0), ndim(node))[0]
+    return layouts[0].mapped({d: (d if d < dim else d + 1) for d in range(ndim(node) - 1)})
+
+
+@dispatch.handles_local_order
+@handles_split
+def pieces(a, node: fx.Node) -> tuple[Layout, ...]:
+    """split / chunk / tensor_split / split_with_sizes / unbind: a tuple of pieces."""
+    a.shape_use(*node.args[1:], *node.kwargs.values())
+    source, rank = node.args[0], ndim(node.args[0])
+    layout = a.layout(source)
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    dim_arg = arg(node, 1, "dim", 0) if name == "unbind" else arg(node, 2, "dim", 0)
+    dim = normalize_dims(dim_arg, rank)[0]
+    count = len(meta_value(node)) if isinstance(meta_value(node), (tuple, list)) else 1
+    if layout == PARTIAL:
+        return (PARTIAL,) * count
+    if layout.is_split and dim == layout.split:
+        layout = a.sequence_home(source)
+    if layout.kind in ("rows", "inverse") and dim == 0:
+        a.refuse(node, f"splits the row dim of {layout}", dispatch.FIX)
+        return (layout,) * count
+    if dim in layout.dims and not layout.is_split:  # a split value's sequence is whole
+        if not _one_piece_holds_every_token(node, dim):
+            a.refuse(node, "splits the sequence into pieces", "Split along other dims")
+        return (layout,) * count
+    if name == "unbind":
+        layout = layout.mapped({d: (d if d < dim else d - 1) for d in range(rank) if d != dim})
+    return (layout,) * count
+
+
+# --------------------------------------------------------------------------------------------------
+# factories
+
+
+def factory(a, node: fx.Node) -> Layout:
+    """zeros / ones / full / empty / rand* / new_* of a shape: a sequence-sized dim holds one value."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    shape_args = node.args[1:] if name.startswith("new_") else node.args
+    if name in ("full", "new_full"):
+        shape_args = shape_args[:1]
+    a.shape_use(*shape_args, node.kwargs.get("size"))
+    return shard(*sequence_dims_of_output(a, node))
+
+
+@dispatch.handles_local_order
+@handles_split
+def like(a, node: fx.Node) -> Layout:
+    """zeros_like / ones_like / full_like / empty_like / rand_like: the layout of the model tensor."""
+    layout = a.layout(node.args[0])
+    return REPLICATE if layout == PARTIAL else layout
+
+
+def arange(a, node: fx.Node) -> Layout:
+    a.shape_use(*node.args, *[v for k, v in node.kwargs.items() if k in ("start", "end", "step")])
+    row_numbers = dispatch.local_arange(a, node)
+    if row_numbers is not None:
+        return row_numbers
+    values = list(node.args)
+    if len(values) == 1:
+        values = [0, values[0]]
+    start = a.size_expr(values[0] if values else node.kwargs.get("start", 0))
+    end = a.size_expr(values[1] if len(values) > 1 else node.kwargs.get("end"))
+    step = a.size_expr(values[2] if len(values) > 2 else node.kwargs.get("step", 1))
+    # arange(c, T + c) with a constant c: positions shifted by c (1-based positions, a running mean's counts)
+    if step != 1 or start is None or not start.is_Integer or end is None or len(symbols.symbols_of(end)) != 1:
+        return a.refuse(
+            node,
+            f"arange({values}) over the sequence length with a step, or a start that is not a constant",
+            "Use arange(T) or arange(c, T + c) for positions (the pass makes them this rank's positions)",
+        )
+    a.plan.positions.append(node)
+    return shard(0)
+
+
+def value_of_sizes(a, node: fx.Node) -> Layout:
+    """torch.tensor(T), torch.scalar_tensor(T), sym_float(T): a length used as a value (the global one)."""
+    return REPLICATE

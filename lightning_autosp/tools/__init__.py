@@ -1,0 +1,1 @@
+"""Tools beside the pipeline: the ``autosp`` command line and ``verify``."""
