@@ -42,6 +42,7 @@ from lightning_autosp.compiler.lower.slices import selections_pass, slices_pass
 from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
 from lightning_autosp.compiler.prove.normalize import normalize_pass
+from lightning_autosp.compiler.prove.preconditions import sdpa_heads
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +126,6 @@ def sequence_parallel_pass(
     if check_guards:
         analysis.check_guards(shape_env, traced_guards)
     analysis.raise_refusals()
-    for node in analysis.plan.attention:
-        if node in analysis.flash_matches:
-            attention.check_flash_heads(analysis.flash_matches[node], ctx)
-        else:
-            attention.check_sdpa(node, ctx)
     every_length = _every_length(analysis, ctx, shape_env)
     if not isinstance(every_length, tuple):  # why it serves one length, or None: it has none
         report.one_length = every_length or ""
@@ -150,7 +146,7 @@ def sequence_parallel_pass(
                 copier,
                 node,
                 args["attn_mask"],
-                attention.sdpa_heads(node),
+                sdpa_heads(node),
                 bool(args["is_causal"]),
                 report.masks,
             )

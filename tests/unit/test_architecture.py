@@ -106,3 +106,17 @@ def test_compiler_stages_import_only_the_stages_before_them() -> None:
         if (other := _stage(imported)) not in (None, stage) and other not in STAGE_IMPORTS[stage]
     )
     assert not wrong, wrong
+
+
+def test_lowering_raises_no_refusal() -> None:
+    """Note [Refusals before rewriting]: every refusal comes from the analysis, before any rewrite."""
+    lowering = sorted((PACKAGE / "compiler" / "lower").glob("*.py"))
+    assert lowering
+    raising = [
+        f"{path.name}:{node.lineno}"
+        for path in lowering
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Raise) and node.exc is not None and "Refusal" in ast.unparse(node.exc))
+        or (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("refuse"))
+    ]
+    assert not raising, raising

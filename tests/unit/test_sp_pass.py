@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import fx
 
 from lightning_autosp.compiler.fx_utils import bind, example_value
-from lightning_autosp.compiler.lower.attention import SDPA_SIGNATURE
 from lightning_autosp.compiler.lower.masks import is_causal_mask
 from lightning_autosp.compiler.lower.recompute import GlobalCopier
 from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.layout import REPLICATE, SequenceTags, Tag, shard
+from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
+from lightning_autosp.compiler.prove.preconditions import SDPA_SIGNATURE
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard
 from tests.distributed.modules import VOCAB, TinyGPT
@@ -210,6 +211,30 @@ def test_gqa_replication_factor(heads: int, kv_heads: int, world: int) -> None:
     assert fake_shape(match.key) == (1, kv_heads * repeats // world, local * world, 4)
     (out,) = output_values(gm)
     assert fake_shape(out) == (1, heads, local, 4)
+
+
+class _PaddedToWholeChunks(torch.nn.Module):
+    """A buffer the length of the sequence padded to whole chunks of 4: a remainder of the length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+
+    def training_step(self, batch: dict, _: int) -> torch.Tensor:
+        x = self.embed(batch["input_ids"])
+        length = x.shape[1]
+        chunks = x.new_zeros(x.shape[0], length + (4 - length % 4) % 4, 8)
+        return x.sum() + chunks.sum()
+
+
+def test_a_shape_no_rank_can_tell_its_part_of_is_refused_by_the_analysis() -> None:
+    """Note [Refusals before rewriting]: the analysis refuses it, with the user's line, before lowering
+    (which used to raise it halfway through its rewrites, without a line)."""
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        SequenceParallelRefusal, match=r"(?s)new_zeros at .*test_sp_pass.py:\d+.*not a multiple"
+    ):
+        simulate_step(_PaddedToWholeChunks(), {"input_ids": ids}, 2)
 
 
 def test_heads_not_divisible_by_sp_size() -> None:

@@ -23,7 +23,6 @@ this rank's ring rank, and ring attention over the R ring ranks takes SDPA's pla
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 
@@ -36,47 +35,16 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import bind, call, example_value, redirect_uses, set_fake_value
 from lightning_autosp.compiler.prove.flash import (
     FlashMatch,
-    check_flash_heads,
     globalize_max_seqlen,
     set_output_value,
 )
+from lightning_autosp.compiler.prove.preconditions import SDPA_SIGNATURE
 from lightning_autosp.compiler.runtime import ops
 from lightning_autosp.compiler.runtime.ring import ring_args
-from lightning_autosp.data import SequenceShard
 
-SDPA_SIGNATURE = inspect.signature(
-    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: (
-        None
-    )
-)
 _SEQ_TO_HEAD = ops.seq_to_head
 _SEQ_TO_HEAD_PACKED = ops.seq_to_head_packed
 _HEAD_TO_SEQ = ops.head_to_seq
-
-
-def heads_error(shard: SequenceShard, heads: int, name: str) -> str:
-    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-    if shard.ring_degree == 1:
-        return (
-            f"sp_size={shard.world} must divide the number of attention heads ({heads}) of {name}; "
-            f"use one of {divisors}, or AutoSPStrategy(ulysses_degree='auto') to run the rest of sp as "
-            "ring attention."
-        )
-    usable = [d for d in divisors if shard.world % d == 0]
-    return (
-        f"ulysses_degree={shard.ulysses_degree} must divide the number of attention heads ({heads}) of "
-        f"{name}; use ulysses_degree='auto' or one of {usable}."
-    )
-
-
-def sdpa_heads(node: fx.Node) -> int:
-    return example_value(bind(node, SDPA_SIGNATURE)["query"]).shape[1]
-
-
-def check_sdpa(node: fx.Node, ctx: SPContext) -> None:
-    heads = sdpa_heads(node)
-    if heads % ctx.shard.ulysses_degree:
-        raise ValueError(heads_error(ctx.shard, heads, node.name))
 
 
 def set_mask(node: fx.Node, mask: object, is_causal: bool) -> None:
@@ -247,7 +215,6 @@ def _lower_to_ring_attention(graph: fx.Graph, sdpa: fx.Node, ctx: SPContext) -> 
 
 def flash_pass(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext, report) -> None:
     """Give one flash-attn call the whole sequence for H/P of the heads (``flash.py`` found it)."""
-    check_flash_heads(match, ctx)
     graph, world = gm.graph, ctx.shard.world
     dims = (match.head_dim, match.seq_dim)
     query, key, value = (match.operands[name] for name in ("q", "k", "v"))
@@ -276,4 +243,4 @@ def flash_pass(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext, report) ->
     report.all_to_alls += 1  # the output's; q, k and v's counted above
 
 
-__all__ = ["F", "SDPA_SIGNATURE", "check_sdpa", "flash_pass", "heads_error", "sdpa_heads", "sdpa_pass"]
+__all__ = ["F", "SDPA_SIGNATURE", "flash_pass", "sdpa_pass"]

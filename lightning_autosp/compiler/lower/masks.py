@@ -27,7 +27,6 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, example_value, meta_value
 from lightning_autosp.compiler.lower.recompute import GlobalCopier, _nodes_in
 from lightning_autosp.compiler.prove.layout import CAUSAL, REPLICATE, Tag, global_
-from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +46,7 @@ def attention_mask(
         return None, True
     if layout == REPLICATE or layout.kind == "global":
         return _this_ranks_heads(copier.graph, mask, ctx, heads, attention), is_causal
-    if not ctx.shard.is_contiguous and _sharded_inputs(copier, mask):
-        raise SequenceParallelRefusal(
-            f"The attention mask of {attention.name} is computed from per-token data (packed "
-            "documents), which is not supported with ring_layout='zigzag' yet. Use "
-            "AutoSPStrategy(ring_layout='contiguous')."
-        )
+    # A mask from per-token inputs under the zigzag layout was refused (Note [Refusals before rewriting]).
     if not _sharded_inputs(copier, mask) and is_causal_mask(copier, mask):
         report.append(f"{attention.name}: causal mask -> is_causal=True")
         return None, True

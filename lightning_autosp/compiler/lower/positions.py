@@ -23,7 +23,7 @@ from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, index_items, meta_value, set_fake_value, with_sizes
 from lightning_autosp.compiler.lower.recompute import take_owned
 from lightning_autosp.compiler.prove.analysis import Analysis
-from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
+from lightning_autosp.compiler.prove.preconditions import shape_part
 
 
 def positions_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext, report: list[str]) -> None:
@@ -130,29 +130,9 @@ def lengths_pass(gm: fx.GraphModule, analysis: Analysis, ctx: SPContext) -> None
 def _number(analysis: Analysis, ctx: SPContext, expr: sympy.Expr, as_value: bool) -> int | torch.SymInt:
     if as_value:
         return analysis.global_value(expr)
-    (symbol,) = symbols.symbols_of(expr) & set(analysis.lengths) or {None}
-    scale, rest = _affine(expr, symbol)
-    if scale is None or (scale and rest % scale):
-        raise SequenceParallelRefusal(
-            f"A shape {expr} computed from the sequence length is not a multiple of a length "
-            "(a * (T + c)); the SP pass cannot tell this rank's part of it. Use -1 in views."
-        )
+    symbol, scale, rest = shape_part(analysis, expr)
+    # a shape no rank can tell its part of was refused (Note [Refusals before rewriting])
+    assert scale is not None, f"{expr}: the analysis let through a shape that is not a multiple of a length"
     if scale == 0:
         return int(rest)
     return int(scale) * ctx.owned_count(analysis.global_value(symbol) + int(rest // scale))
-
-
-def _affine(expr: sympy.Expr, symbol: sympy.Symbol | None) -> tuple[int | None, int]:
-    if symbol is None:
-        return 0, int(expr)
-    try:
-        polynomial = sympy.Poly(expr, symbol)
-    except sympy.PolynomialError:  # Mod, floor division: not a multiple of a length
-        return None, 0
-    if polynomial.degree() > 1:
-        return None, 0
-    coefficients = polynomial.all_coeffs()
-    scale, rest = coefficients if len(coefficients) == 2 else [0, coefficients[0]]
-    if not (scale.is_integer and rest.is_integer):
-        return None, 0
-    return int(scale), int(rest)

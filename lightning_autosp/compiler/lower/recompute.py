@@ -26,11 +26,11 @@ import operator
 import torch
 from torch import fx
 
-from lightning_autosp.compiler.runtime import ops  # noqa: F401  (registers torch.ops.autosp)
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import call, example_value, set_fake_value, with_sizes
 from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.layout import Layout
+from lightning_autosp.compiler.runtime import ops  # noqa: F401  (registers torch.ops.autosp)
 
 _GATHER = torch.ops.autosp.gather_sequence.default
 

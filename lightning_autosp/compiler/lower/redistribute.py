@@ -38,7 +38,6 @@ from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.plan import (
     ConvolutionWindow,
     Redistribution,
-    SequenceParallelRefusal,
     TokenInsertion,
 )
 from lightning_autosp.compiler.prove.rules.products import conv_signature
@@ -109,13 +108,7 @@ def _window_convolution(
     source = args["input"]
     length = analysis.global_value(analysis.shape(source)[window.dim])
     out_length = window.output_length(length)
-    owned = ctx.shard.owned_ranges(out_length)
-    for rank, (first, stop) in enumerate(owned):
-        if stop - first <= 0:
-            raise SequenceParallelRefusal(
-                f"{node.name}: the convolution's {out_length} output positions leave rank {rank} none; use "
-                "longer sequences or a smaller sp_size."
-            )
+    owned = ctx.shard.owned_ranges(out_length)  # every rank owns some (Note [Refusals before rewriting])
     comm = ctx.window_args([window.window(first, stop) for first, stop in owned], length)
     args["input"] = _insert(graph, ops.sequence_window, (source, window.dim, *comm), before=node)
     padding = args["padding"]

@@ -18,8 +18,10 @@ Note [Proving a graph exact]
     - refuse: anything else that reads a sequence-sharded value along the sequence, and any op
       without a rule. The error names the op, the user's source line and the fix.
 
-    Nothing is rewritten before the whole graph has been proven; then the rewrite families
-    (``sp_pass.py``) change exactly what the plan (``plan.py``) lists.
+    Nothing is rewritten before the whole graph has been proven, and what lowering needs beyond each
+    op's rule is checked before the analysis ends (Note [Refusals before rewriting] in
+    ``preconditions.py``); then the rewrite families (``sp_pass.py``) change exactly what the plan
+    (``plan.py``) lists.
 
 Note [Redistribution]
     A rule may state the layout it needs of an input (``Analysis.need``) instead of taking the one it
@@ -68,6 +70,7 @@ from lightning_autosp.compiler.prove.layout import (
     shard,
 )
 from lightning_autosp.compiler.prove.plan import Plan, Redistribution, Refusal, SequenceParallelRefusal
+from lightning_autosp.compiler.prove.preconditions import check_lowering
 from lightning_autosp.compiler.prove.rules import dispatch, rule_for
 
 log = logging.getLogger(__name__)
@@ -102,6 +105,7 @@ class Analysis:
         self.token_data: set[fx.Node] = set()
         self.plan = Plan()
         self.refusals: list[Refusal] = []
+        self.errors: list[str] = []  # configuration errors (ValueError): the heads against the sp degree
         self.lengths: dict[sympy.Symbol, int] = {}
         self.input_tags: dict[fx.Node, Tag] = {}
         self.output_tags: list[Tag | None] = []
@@ -127,6 +131,7 @@ class Analysis:
                 self.layouts[node] = REPLICATE
             elif node.op == "output":
                 self._visit_output(node)
+        check_lowering(self)  # Note [Refusals before rewriting]
         return self
 
     def check_guards(self, shape_env: object, traced: int | None = None) -> None:
@@ -145,6 +150,7 @@ class Analysis:
             )
 
     def raise_refusals(self) -> None:
+        """Raise what the analysis found: refusals (SequenceParallelRefusal), then configuration errors."""
         if self.refusals:
             # A branch on the length is the cause of whatever else looks wrong at this rank's length.
             ordered = sorted(self.refusals, key=lambda refusal: refusal.node is not None)
@@ -153,6 +159,8 @@ class Analysis:
                 "The SP pass cannot prove this training step exact under sequence parallelism, so it refuses "
                 f"to run it (it never trains silently wrong):\n{listed}"
             )
+        if self.errors:
+            raise ValueError("\n".join(dict.fromkeys(self.errors)))
 
     # ---------------------------------------------------------------------------------------------
     # the API rules use

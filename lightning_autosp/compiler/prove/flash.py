@@ -232,17 +232,6 @@ def flash_refusal(match: FlashMatch, ctx: SPContext) -> tuple[str, str] | None:
     return None
 
 
-def check_flash_heads(match: FlashMatch, ctx: SPContext) -> None:
-    """The heads must divide by sp: a configuration error, named with the sizes that work."""
-    heads, world = example_value(match.operands["q"]).shape[match.head_dim], ctx.shard.world
-    if heads % world:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(
-            f"sp_size={world} must divide the number of attention heads ({heads}) of {match.name}; "
-            f"use one of {divisors}."
-        )
-
-
 def globalize_max_seqlen(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext) -> None:
     """``max_seqlen_q/k`` bound the documents' lengths; after the all-to-all a document can be up to S
     long, and S is always a valid bound for flash-attn's varlen kernels (a larger one costs nothing)."""
