@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -135,7 +136,7 @@ class AutoSPBackend:
         )
         self.context = context
         self.tags = tags if tags is not None else SequenceTags()
-        self._guards_checked: set[int] = set()
+        self._guards_checked: weakref.WeakSet = weakref.WeakSet()  # shape envs whose guards were checked
         self.compiler = compiler
         self.sac = sac
         self.chunked_loss = chunked_loss
@@ -170,8 +171,9 @@ class AutoSPBackend:
         if self.context is not None:
             # Dynamo's guards are checked once per trace: DDP's later buckets see the length fixed already.
             shape_env = graph_shape_env(gm, example_inputs)
-            first = id(shape_env) not in self._guards_checked
-            self._guards_checked.add(id(shape_env))
+            first = shape_env not in self._guards_checked
+            if shape_env is not None:
+                self._guards_checked.add(shape_env)
             try:
                 gm, report = sequence_parallel_pass(
                     gm, example_inputs, self.context, self.tags, check_guards=first

@@ -317,10 +317,10 @@ def summarize_partition(
     """Bytes the forward hands to backward, and the forward ops backward runs again."""
     output = next(n for n in forward.graph.nodes if n.op == "output")
     # Inputs handed on (parameters, the batch) are held anyway; count the activations.
-    saved = {
-        id(v): v for v in output.args[0][num_fwd_outputs:] if isinstance(v, fx.Node) and v.op != "placeholder"
-    }
-    saved_bytes = sum(node_bytes(n) for n in saved.values())
+    saved = dict.fromkeys(
+        v for v in output.args[0][num_fwd_outputs:] if isinstance(v, fx.Node) and v.op != "placeholder"
+    )
+    saved_bytes = sum(node_bytes(n) for n in saved)
     recomputed = [n for n in forward_nodes(backward) if n.op == "call_function" and node_flops(n) >= 0]
     recomputed = [n for n in recomputed if n.target is not operator.getitem and not offload.is_copy(n)]
     forward_flops = sum(node_flops(n) for n in forward.graph.nodes if n.op == "call_function")

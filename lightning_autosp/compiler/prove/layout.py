@@ -180,9 +180,8 @@ class SequenceTags:
         ``seq_dim``; every other tensor is replicated (the same on every rank of the sp group)."""
         from lightning.fabric.utilities.apply_func import apply_to_collection
 
-        ids = {id(t) for t in sharded}
         for tensor in sharded:
             self.mark(tensor, Tag(shard(seq_dim), (global_len,)))
-        apply_to_collection(
-            batch, torch.Tensor, lambda t: None if id(t) in ids else self.mark(t, Tag(REPLICATE))
-        )
+        shards = set(sharded)  # tensors hash by identity
+        replicated = lambda t: None if t in shards else self.mark(t, Tag(REPLICATE))  # noqa: E731
+        apply_to_collection(batch, torch.Tensor, replicated)
