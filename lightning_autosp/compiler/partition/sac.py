@@ -189,14 +189,16 @@ def recompute_policy(node: fx.Node) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def tag_recompute_policy(joint: fx.GraphModule, recomputable: set[fx.Node] | None = None) -> Counter:
+def tag_recompute_policy(
+    joint: fx.GraphModule, recomputable: set[fx.Node] | None = None, boundaries: set[fx.Node] | None = None
+) -> Counter:
     """Write ``node.meta["recompute"]`` on forward ops; getitems share their parent's tag.
 
     ``recomputable`` limits PREFER_RECOMPUTE to those nodes (the "auto" budget); the others keep the
-    min-cut partitioner's own rules. Block inputs (``layer_boundaries``) are saved.
+    min-cut partitioner's own rules. Block inputs (``boundaries``, default ``layer_boundaries``) are saved.
     """
     counts: Counter = Counter()
-    boundaries = layer_boundaries(joint)
+    boundaries = layer_boundaries(joint) if boundaries is None else boundaries
     for node in forward_nodes(joint):
         if node.op != "call_function":
             continue
@@ -378,9 +380,10 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
             recomputable, reason = (
                 choose_recomputable(gm, self.overhead) if self.mode == "auto" else (None, "")
             )
-            self.last_counts = tag_recompute_policy(gm, recomputable)
+            boundaries = layer_boundaries(gm)
+            self.last_counts = tag_recompute_policy(gm, recomputable, boundaries)
             if self.mode == "longest" or self.activation_budget is not None:
-                attention_recompute = self._send_layers(gm)
+                attention_recompute = self._send_layers(gm, boundaries)
         cast_gathers = cast_before_parameter_gathers(gm)
         self.last_counts["GATHERED_PARAMETER"] = tag_parameter_gathers(gm)
         with contextlib.ExitStack() as stack:
@@ -408,12 +411,11 @@ class SequenceAwarePartitioner(CustomPartitionerFn):
         log.info(report.line())
         return forward, backward
 
-    def _send_layers(self, joint: fx.GraphModule) -> AttentionRecompute:
+    def _send_layers(self, joint: fx.GraphModule, boundaries: set[fx.Node]) -> AttentionRecompute:
         """Tag the layers that rebuild attention and its collectives (Note [Layers that recompute
         attention] in ``memory_policy.py``)."""
         forward = forward_nodes(joint)
         is_attention = lambda node: _op_name(node) in _ATTENTION_OPS
-        boundaries = layer_boundaries(joint)
         layers = layer_saves(forward, boundaries, is_attention, node_flops)
         budget = None if self.mode == "longest" else self.activation_budget
         choice = choose_layers(layers, kept_bytes(forward), budget)
