@@ -20,7 +20,7 @@ import sympy
 from torch import fx
 
 from lightning_autosp.compiler import symbols
-from lightning_autosp.compiler.fx_utils import bind, example_value, flatten
+from lightning_autosp.compiler.fx_utils import ancestors, bind, example_value, flatten
 from lightning_autosp.compiler.prove.rules.products import conv_signature
 from lightning_autosp.data import SequenceShard
 
@@ -102,16 +102,7 @@ def _masks_from_token_inputs(a: Analysis) -> None:
 
 
 def _reads_sharded_inputs(a: Analysis, node: fx.Node) -> bool:
-    seen, pending = set(), [node]
-    while pending:
-        current = pending.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder" and a.layout(current).is_shard:
-            return True
-        pending.extend(current.all_input_nodes)
-    return False
+    return any(n.op == "placeholder" and a.layout(n).is_shard for n in ancestors(node))
 
 
 # --------------------------------------------------------------------------------------------------
