@@ -196,3 +196,21 @@ def test_headline_measures_one_rank_of_a_larger_sp_group_in_one_process(tmp_path
     sp1, sp2 = rows[(1, "sac")]["peaks"], rows[(2, "sac")]["peaks"]
     assert 0.5 < sp2["512"] / sp1["256"] < 2.0, (sp1, sp2)
     assert "SAC / Ulysses" in out.with_suffix(".md").read_text()
+
+
+def test_gpu_checks_offload_step_runs_both_memory_policies(tmp_path: Path) -> None:
+    # benchmarks/gpu_check.sh's offload step, tiny and on the CPU: "longest" with and without its layer
+    # inputs in host memory, rank 0 of sp=2. On CPU the copies stay in host memory, so the peaks agree.
+    out = tmp_path / "offload.json"
+    args = ["--device", "cpu", "--model", "llama-smoke", "--layers", "1", "--sp", "2", "--probe-lens", "128"]
+    args += ["256", "--budget-mib", "64", "--dtype", "float32", "--compiler", "aot_eager", "--out", str(out)]
+    done = run_module(["benchmarks.headline", *args, "--methods", "longest", "longest_offload"], timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"longest", "longest_offload"}
+    assert all("error" not in row and len(row["peaks"]) == 2 for row in rows.values()), rows
+    kept, moved = rows["longest"]["peaks"]["512"], rows["longest_offload"]["peaks"]["512"]
+    assert 0.8 < moved / kept < 1.25, (kept, moved)
+    # the memory model keeps about two layers' saves on the device: with one layer, all of them
+    assert rows["longest_offload"]["model"]["bytes"] == rows["longest"]["model"]["bytes"]
+    assert 'sac="longest", offload_activations' in out.with_suffix(".md").read_text()
