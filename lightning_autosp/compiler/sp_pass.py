@@ -42,7 +42,7 @@ from lightning_autosp.compiler.lower.slices import selections_pass, slices_pass
 from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
 from lightning_autosp.compiler.prove.normalize import normalize_pass
-from lightning_autosp.compiler.prove.preconditions import sdpa_heads
+from lightning_autosp.compiler.prove.plan import AttentionCall
 
 log = logging.getLogger(__name__)
 
@@ -139,18 +139,10 @@ def sequence_parallel_pass(
     report.output_tags = list(analysis.output_tags)
 
     copier = GlobalCopier(gm, analysis, ctx)
-    for node in analysis.plan.attention:  # whole masks first, from the graph as traced
-        if node not in analysis.flash_matches:
-            args = attention.bind(node, attention.SDPA_SIGNATURE)
-            mask = masks.attention_mask(
-                copier,
-                node,
-                args["attn_mask"],
-                sdpa_heads(node),
-                bool(args["is_causal"]),
-                report.masks,
-            )
-            attention.set_mask(node, *mask)
+    for node, call in analysis.plan.attention.items():  # whole masks first, from the graph as traced
+        if isinstance(call, AttentionCall):
+            mask = masks.attention_mask(copier, node, call.mask, call.heads, call.is_causal, report.masks)
+            attention.set_mask(node, call, *mask)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     masks.hand_on_masks(copier, output, report.output_tags, report.masks)
     if report.length_symbols:
@@ -165,12 +157,12 @@ def sequence_parallel_pass(
     report.recomputed = recompute_pass(copier)
     eliminate_dead_code(gm.graph)
 
-    for node in analysis.plan.attention:
-        if node in analysis.flash_matches:
-            attention.flash_pass(gm, analysis.flash_matches[node], ctx, report)
-        elif node in analysis.plan.attention_lengths:
-            length = analysis.global_value(analysis.plan.attention_lengths[node])
-            attention.sdpa_pass(gm.graph, node, ctx, report, ctx.shard.counts(length))
+    for node, call in analysis.plan.attention.items():
+        if not isinstance(call, AttentionCall):
+            attention.flash_pass(gm, call, ctx, report)
+        elif call.length is not None:  # q, k, v of a sequence derived from the batch's
+            lengths = ctx.shard.counts(analysis.global_value(call.length))
+            attention.sdpa_pass(gm.graph, node, ctx, report, lengths)
         else:
             attention.sdpa_pass(gm.graph, node, ctx, report)
     positions_pass(gm, analysis, ctx, report.positions)

@@ -22,7 +22,7 @@ from lightning_autosp.compiler.lower.recompute import GlobalCopier
 from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.layout import REPLICATE, SequenceTags, Tag, shard
 from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
-from lightning_autosp.compiler.prove.preconditions import SDPA_SIGNATURE
+from lightning_autosp.compiler.prove.rules.common import SDPA_SIGNATURE
 from lightning_autosp.compiler.sp_pass import SPContext, sequence_parallel_pass
 from lightning_autosp.data import SequenceShard
 from tests.distributed.modules import VOCAB, TinyGPT

@@ -32,13 +32,13 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.fx_utils import bind, call, example_value, redirect_uses, set_fake_value
+from lightning_autosp.compiler.fx_utils import call, example_value, redirect_uses, set_fake_value
 from lightning_autosp.compiler.prove.flash import (
     FlashMatch,
     globalize_max_seqlen,
     set_output_value,
 )
-from lightning_autosp.compiler.prove.preconditions import SDPA_SIGNATURE
+from lightning_autosp.compiler.prove.plan import AttentionCall
 from lightning_autosp.compiler.runtime import ops
 from lightning_autosp.compiler.runtime.ring import ring_args
 
@@ -47,14 +47,23 @@ _SEQ_TO_HEAD_PACKED = ops.seq_to_head_packed
 _HEAD_TO_SEQ = ops.head_to_seq
 
 
-def set_mask(node: fx.Node, mask: object, is_causal: bool) -> None:
-    """Give an SDPA call its mask for the whole sequence (from ``masks.attention_mask``)."""
-    args = bind(node, SDPA_SIGNATURE)
-    args.update(attn_mask=mask, is_causal=is_causal)
-    node.args = (args["query"], args["key"], args["value"])
+def set_mask(node: fx.Node, call: AttentionCall, mask: object, is_causal: bool) -> None:
+    """Give an SDPA call its mask for the whole sequence (from ``masks.attention_mask``), in the one form
+    lowering reads: q, k and v as arguments, the rest as keywords (``_arguments``)."""
+    node.args = (call.query, call.key, call.value)
     node.kwargs = {
-        name: args[name] for name in ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        "attn_mask": mask,
+        "dropout_p": call.dropout_p,
+        "is_causal": is_causal,
+        "scale": call.scale,
+        "enable_gqa": call.enable_gqa,
     }
+
+
+def _arguments(node: fx.Node) -> dict[str, object]:
+    """An SDPA call's arguments by name, in the form ``set_mask`` gave it."""
+    query, key, value = node.args
+    return {"query": query, "key": key, "value": value, **node.kwargs}
 
 
 def sdpa_pass(
@@ -65,7 +74,7 @@ def sdpa_pass(
     joined to it, a convolution's output), as ``SequenceShard.counts`` gives them."""
     comm_args = ctx.ulysses_comm_args if seq_lens is None else (seq_lens, ctx.shard.rank, ctx.group_name)
     world = ctx.shard.ulysses_degree
-    args = bind(node, SDPA_SIGNATURE)
+    args = _arguments(node)
     query, key, value = args["query"], args["key"], args["value"]
     kv_heads = example_value(key).shape[1]
     with graph.inserting_before(node):
@@ -198,7 +207,7 @@ def _lower_to_ring_attention(graph: fx.Graph, sdpa: fx.Node, ctx: SPContext) -> 
     """
     # Attention dropout was refused by the analysis (rules/products.py); so are masks computed through
     # parameters, the only ones that could need a gradient.
-    args = bind(sdpa, SDPA_SIGNATURE)
+    args = _arguments(sdpa)
     bounds, range_counts, ring_rank = ring_args(ctx.shard)
     operands = (args["query"], args["key"], args["value"], args["attn_mask"], bool(args["is_causal"]))
     with graph.inserting_before(sdpa):
@@ -243,4 +252,4 @@ def flash_pass(gm: fx.GraphModule, match: FlashMatch, ctx: SPContext, report) ->
     report.all_to_alls += 1  # the output's; q, k and v's counted above
 
 
-__all__ = ["F", "SDPA_SIGNATURE", "flash_pass", "sdpa_pass"]
+__all__ = ["F", "flash_pass", "sdpa_pass", "set_mask"]

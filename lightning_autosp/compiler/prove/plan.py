@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import sympy
 import torch
 from torch import fx
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import meta_value, op_name, source_line
 from lightning_autosp.compiler.prove.layout import Layout
+
+if TYPE_CHECKING:
+    from lightning_autosp.compiler.prove.flash import FlashMatch
 
 
 class SequenceParallelRefusal(NotImplementedError):
@@ -107,12 +111,28 @@ class TokenInsertion:
     after: int  # and those after it
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """An SDPA call proven exact, its arguments bound once by its rule (``rules/products.py``): lowering
+    reads these instead of parsing the call again."""
+
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    mask: object  # a node, or None
+    dropout_p: object
+    is_causal: bool
+    scale: object
+    enable_gqa: bool
+    heads: int  # of q, which the all-to-all splits over the Ulysses degree
+    length: sympy.Expr | None = None  # the sequence's length where derived from the batch's (else None)
+
+
 @dataclass
 class Plan:
     """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
 
-    attention: list[fx.Node] = field(default_factory=list)  # SDPA / flash-attn calls
-    attention_lengths: dict[fx.Node, object] = field(default_factory=dict)  # SDPA on a derived length
+    attention: dict[fx.Node, AttentionCall | FlashMatch] = field(default_factory=dict)  # SDPA, flash-attn
     positions: list[fx.Node] = field(default_factory=list)  # arange(S_r) -> this rank's positions
     tables: list[fx.Node] = field(default_factory=list)  # table[:S_r] -> rows at this rank's positions
     slices: list[fx.Node] = field(default_factory=list)  # slices / narrows / right pads along the sequence

@@ -13,7 +13,6 @@ Note [Refusals before rewriting]
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
 
 import sympy
@@ -21,17 +20,12 @@ from torch import fx
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import ancestors, bind, example_value, flatten
+from lightning_autosp.compiler.prove.plan import AttentionCall
 from lightning_autosp.compiler.prove.rules.products import conv_signature
 from lightning_autosp.data import SequenceShard
 
 if TYPE_CHECKING:
     from lightning_autosp.compiler.prove.analysis import Analysis
-
-SDPA_SIGNATURE = inspect.signature(
-    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: (
-        None
-    )
-)
 
 
 def check_lowering(a: Analysis) -> None:
@@ -45,10 +39,6 @@ def check_lowering(a: Analysis) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # attention
-
-
-def sdpa_heads(node: fx.Node) -> int:
-    return example_value(bind(node, SDPA_SIGNATURE)["query"]).shape[1]
 
 
 def heads_error(shard: SequenceShard, heads: int, name: str) -> str:
@@ -69,18 +59,18 @@ def heads_error(shard: SequenceShard, heads: int, name: str) -> str:
 def _attention_heads(a: Analysis) -> None:
     """The heads split over the Ulysses degree: a configuration error, named with the sizes that work."""
     shard = a.context.shard
-    for node in a.plan.attention:
-        match = a.flash_matches.get(node)
-        if match is not None:
-            heads = example_value(match.operands["q"]).shape[match.head_dim]
-            if heads % shard.world:
-                divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-                a.errors.append(
-                    f"sp_size={shard.world} must divide the number of attention heads ({heads}) of "
-                    f"{match.name}; use one of {divisors}."
-                )
-        elif sdpa_heads(node) % shard.ulysses_degree:
-            a.errors.append(heads_error(shard, sdpa_heads(node), node.name))
+    for node, call in a.plan.attention.items():
+        if isinstance(call, AttentionCall):
+            if call.heads % shard.ulysses_degree:
+                a.errors.append(heads_error(shard, call.heads, node.name))
+            continue
+        heads = example_value(call.operands["q"]).shape[call.head_dim]
+        if heads % shard.world:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            a.errors.append(
+                f"sp_size={shard.world} must divide the number of attention heads ({heads}) of {call.name}; "
+                f"use one of {divisors}."
+            )
 
 
 def _masks_from_token_inputs(a: Analysis) -> None:
@@ -88,10 +78,8 @@ def _masks_from_token_inputs(a: Analysis) -> None:
     sequence order, which the zigzag ring layout does not give yet."""
     if a.context.shard.is_contiguous:
         return
-    for node in a.plan.attention:
-        if node in a.flash_matches:
-            continue
-        mask = bind(node, SDPA_SIGNATURE)["attn_mask"]
+    for node, call in a.plan.attention.items():
+        mask = call.mask if isinstance(call, AttentionCall) else None
         if isinstance(mask, fx.Node) and _reads_sharded_inputs(a, mask):
             a.refuse(
                 node,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -9,6 +10,12 @@ from torch import fx
 
 from lightning_autosp.compiler.fx_utils import flatten, meta_value
 from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout
+
+SDPA_SIGNATURE = inspect.signature(
+    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: (
+        None
+    )
+)
 
 
 def arg(node: fx.Node, index: int, name: str, default: object = None) -> object:

@@ -17,10 +17,11 @@ from torch import fx
 from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
 from lightning_autosp.compiler.prove.flash import flash_refusal
 from lightning_autosp.compiler.prove.layout import CAUSAL, PARTIAL, REFUSED, REPLICATE, Layout, shard
-from lightning_autosp.compiler.prove.plan import ConvolutionWindow
+from lightning_autosp.compiler.prove.plan import AttentionCall, ConvolutionWindow
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import (
     ATTENTION_FIX,
+    SDPA_SIGNATURE,
     arg,
     materialize_all,
     ndim,
@@ -378,16 +379,26 @@ def sdpa(a, node: fx.Node) -> Layout:
     if mask_layout == PARTIAL:
         a.materialize(mask)
     length = _derived_length(a, query, seq)
-    if length is not None:
-        if a.context.shard.ring_degree > 1:
-            return a.refuse(
-                node,
-                f"attends over a sequence of {length} positions, derived from the batch's (ring attention "
-                "places whole chunks of the batch's tokens)",
-                "Attend over the batch's sequence, or use an sp_size (ulysses_degree) that divides the heads",
-            )
-        a.plan.attention_lengths[node] = length
-    a.plan.attention.append(node)
+    if length is not None and a.context.shard.ring_degree > 1:
+        return a.refuse(
+            node,
+            f"attends over a sequence of {length} positions, derived from the batch's (ring attention "
+            "places whole chunks of the batch's tokens)",
+            "Attend over the batch's sequence, or use an sp_size (ulysses_degree) that divides the heads",
+        )
+    args = bind(node, SDPA_SIGNATURE)
+    a.plan.attention[node] = AttentionCall(
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        dropout_p=args["dropout_p"],
+        is_causal=bool(args["is_causal"]),
+        scale=args["scale"],
+        enable_gqa=bool(args["enable_gqa"]),
+        heads=meta_value(query).shape[1],
+        length=length,
+    )
     return shard(seq)
 
 
@@ -448,7 +459,7 @@ def flash(a, node: fx.Node) -> object:
             "joined to it, a convolution's output)",
             "Use F.scaled_dot_product_attention there, or join the tokens in the data pipeline",
         )
-    a.plan.attention.append(node)
+    a.plan.attention[node] = match
     value = meta_value(node)
     count = len(value) if isinstance(value, (tuple, list)) else 1
     return (shard(seq),) * count if isinstance(value, (tuple, list)) else shard(seq)
