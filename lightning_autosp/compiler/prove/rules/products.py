@@ -352,9 +352,9 @@ _CONV_SIGNATURES = {
 
 
 def sdpa(a, node: fx.Node) -> Layout:
-    query, key, value = (arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
+    args = bind(node, SDPA_SIGNATURE)  # once: lowering reads the AttentionCall below
+    query, key, value, mask = args["query"], args["key"], args["value"], args["attn_mask"]
     layouts = [a.layout(t) for t in (query, key, value)]
-    mask = arg(node, 3, "attn_mask")
     if all(layout == REPLICATE for layout in layouts):
         return REPLICATE if a.layout(mask) in (REPLICATE, CAUSAL) else _refuse_mask(a, node)
     seq = ndim(query) - 2
@@ -369,7 +369,7 @@ def sdpa(a, node: fx.Node) -> Layout:
     mask_layout = a.layout(mask)
     if mask_layout.kind == "shard" and mask not in a.token_data:
         return _refuse_mask(a, node)
-    dropout = arg(node, 4, "dropout_p", 0.0)
+    dropout = args["dropout_p"]
     if a.context.shard.ring_degree > 1 and dropout not in (0, 0.0):  # K/V blocks passed around the ring
         return a.refuse(
             node,
@@ -386,7 +386,6 @@ def sdpa(a, node: fx.Node) -> Layout:
             "places whole chunks of the batch's tokens)",
             "Attend over the batch's sequence, or use an sp_size (ulysses_degree) that divides the heads",
         )
-    args = bind(node, SDPA_SIGNATURE)
     a.plan.attention[node] = AttentionCall(
         query=query,
         key=key,
