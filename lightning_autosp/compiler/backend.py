@@ -178,7 +178,7 @@ class AutoSPBackend:
                 gm, report = sequence_parallel_pass(
                     gm, example_inputs, self.context, self.tags, check_guards=first
                 )
-            except (NotImplementedError, ValueError) as error:  # refused: on every rank, or none waits
+            except Exception as error:  # refused (or failed): on every rank, or none waits
                 agree(Outcome(error=str(error), error_type=type(error).__name__), self.context.group_name)
                 raise
             # Note [Ranks agree on their graphs]

@@ -127,18 +127,36 @@ def shape_part(a: Analysis, expr: sympy.Expr) -> tuple[sympy.Symbol | None, int 
 
 
 # Ops whose size arguments a rewrite family replaces before ``lengths_pass`` reads what is left.
-_REWRITTEN = ("attention", "positions", "tables", "slices", "selections", "recompute")
+_REWRITTEN = ("positions", "tables", "slices", "selections", "recompute")
+
+
+def _computed_anew(a: Analysis) -> set[fx.Node]:
+    """Nodes whose value lowering computes anew (token data for the whole sequence, positions, the masks
+    attention gets whole) and the nodes only they read: these go dead, and their sizes never become
+    shapes of this rank's values."""
+    anew = {node for family in ("recompute", "positions", "tables") for node in getattr(a.plan, family)}
+    # users that get a value computed whole for them (a mask for attention, token data moved to global)
+    # read the copy, not the value
+    elsewhere = {
+        (c.mask, node)
+        for node, c in a.plan.attention.items()
+        if isinstance(getattr(c, "mask", None), fx.Node)
+    }
+    elsewhere |= {(move.value, move.user) for move in a.plan.redistributions if move.via == "recompute"}
+    for node in reversed(a.gm.graph.nodes):
+        if node not in anew and node.users and all(u in anew or (node, u) in elsewhere for u in node.users):
+            anew.add(node)
+    return anew
 
 
 def _shapes_of_lengths(a: Analysis) -> None:
     """Every size computed from the length that an op takes as a shape of this rank's values must be a
     multiple of a length, so that each rank can tell its part of it."""
-    rewritten = {node for family in _REWRITTEN for node in getattr(a.plan, family)}
+    skipped = {node for family in _REWRITTEN for node in getattr(a.plan, family)} | _computed_anew(a)
+    skipped |= set(a.plan.attention) | set(a.plan.global_shapes) | set(a.sizes)
     values = set(a.plan.value_sizes)
     for node in a.gm.graph.nodes:
-        if node.op not in ("call_function", "call_method") or node in a.sizes or node in rewritten:
-            continue
-        if node in a.plan.global_shapes:
+        if node.op not in ("call_function", "call_method") or node in skipped:
             continue
         for arg in _size_args(a, node):
             if (node, arg) in values:
