@@ -43,6 +43,7 @@ from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
 from lightning_autosp.compiler.prove.normalize import normalize_pass
 from lightning_autosp.compiler.prove.plan import AttentionCall
+from lightning_autosp.compiler.prove.preconditions import check_lowering
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def sequence_parallel_pass(
     traced_guards = symbols.guard_count(shape_env)  # the pass must add none; it checks Dynamo's
     report.normalized = normalize_pass(gm).lines()
     analysis, report.convolutions = _cheaper_plan(
-        Analysis(gm, example_inputs, ctx, tags).run(), gm, example_inputs, ctx, tags
+        _proven(gm, example_inputs, ctx, tags), gm, example_inputs, ctx, tags
     )
     if check_guards:
         analysis.check_guards(shape_env, traced_guards)
@@ -189,6 +190,16 @@ def sequence_parallel_pass(
 #     decides, not the bytes: every rank of the group must choose alike, and with uneven shards the
 #     bytes differ from rank to rank while the count does not. explain() shows both plans' counts and
 #     this rank's bytes.
+def _proven(
+    gm: fx.GraphModule, example_inputs: Sequence[object], ctx: SPContext, tags: SequenceTags, **options: bool
+) -> Analysis:
+    """The graph's analysis, with what lowering needs beyond each op's rule checked (Note [Refusals before
+    rewriting] in ``preconditions.py``)."""
+    analysis = Analysis(gm, example_inputs, ctx, tags, **options).run()
+    check_lowering(analysis)
+    return analysis
+
+
 def _cheaper_plan(
     analysis: Analysis,
     gm: fx.GraphModule,
@@ -200,7 +211,7 @@ def _cheaper_plan(
     fewer collectives (Note [Windows or blocks]); and a line for explain() saying which, if it chose."""
     if not analysis.plan.split_convolutions or analysis.refusals:
         return analysis, ""
-    windowed = Analysis(gm, example_inputs, ctx, tags, windows_first=True).run()
+    windowed = _proven(gm, example_inputs, ctx, tags, windows_first=True)
     if windowed.refusals:
         return analysis, ""
     blocks, windows = analysis.plan.traffic(), windowed.plan.traffic()

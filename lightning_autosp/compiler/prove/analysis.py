@@ -18,10 +18,9 @@ Note [Proving a graph exact]
     - refuse: anything else that reads a sequence-sharded value along the sequence, and any op
       without a rule. The error names the op, the user's source line and the fix.
 
-    Nothing is rewritten before the whole graph has been proven, and what lowering needs beyond each
-    op's rule is checked before the analysis ends (Note [Refusals before rewriting] in
-    ``preconditions.py``); then the rewrite families (``sp_pass.py``) change exactly what the plan
-    (``plan.py``) lists.
+    Nothing is rewritten before the whole graph has been proven, and what lowering needs beyond each op's rule
+    is checked right after (Note [Refusals before rewriting] in ``preconditions.py``); then the rewrite
+    families (``sp_pass.py``) change exactly what the plan (``plan.py``) lists.
 
 Note [Redistribution]
     A rule may state the layout it needs of an input (``Analysis.need``) instead of taking the one it
@@ -70,7 +69,6 @@ from lightning_autosp.compiler.prove.layout import (
     shard,
 )
 from lightning_autosp.compiler.prove.plan import Plan, Redistribution, Refusal, SequenceParallelRefusal
-from lightning_autosp.compiler.prove.preconditions import check_lowering
 from lightning_autosp.compiler.prove.rules import dispatch, rule_for
 
 log = logging.getLogger(__name__)
@@ -131,7 +129,6 @@ class Analysis:
                 self.layouts[node] = REPLICATE
             elif node.op == "output":
                 self._visit_output(node)
-        check_lowering(self)  # Note [Refusals before rewriting]
         return self
 
     def check_guards(self, shape_env: object, traced: int | None = None) -> None:

@@ -17,14 +17,13 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.fx_utils import example_value
-from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
+from lightning_autosp.compiler.prove.plan import FlashMatch, SequenceParallelRefusal
 
 log = logging.getLogger(__name__)
 
@@ -34,30 +33,6 @@ _VARLEN_BACKWARD = "flash_attn::_flash_attn_varlen_backward"
 _PASS_THROUGH = {"pad", "contiguous"}
 # Attention kernels the pass does not rewrite: left alone they would see only this rank's tokens.
 _UNSUPPORTED_NAMES = ("flash_attn", "flash_attention", "flex_attention")
-
-
-@dataclass
-class FlashMatch:
-    """One flash-attn call: ``operands`` are the graph values the op reads, by its argument names."""
-
-    node: fx.Node  # autograd_function_apply, or the forward op itself under no_grad
-    op: fx.Node  # the forward op (inside fwd_body when ``node`` is autograd_function_apply)
-    arguments: dict[str, object]  # the op's arguments by name, defaults filled in
-    operands: dict[str, fx.Node]  # tensor arguments, as values of the outer graph
-    output: fx.Node  # the outer value holding the attention output
-    layout: str  # "BSHD" (flash_attn_func) or "SHD" (flash_attn_varlen_func)
-
-    @property
-    def head_dim(self) -> int:
-        return self.layout.index("H")
-
-    @property
-    def seq_dim(self) -> int:
-        return self.layout.index("S")
-
-    @property
-    def name(self) -> str:
-        return self.node.name
 
 
 def _qualified_name(target: object) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import sympy
 import torch
@@ -19,9 +19,6 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import meta_value, op_name, source_line
 from lightning_autosp.compiler.prove.layout import Layout
-
-if TYPE_CHECKING:
-    from lightning_autosp.compiler.prove.flash import FlashMatch
 
 
 class SequenceParallelRefusal(NotImplementedError):
@@ -109,6 +106,31 @@ class TokenInsertion:
     index: int  # the sharded operand's place among the joined tensors
     before: int  # positions the tensors before it add
     after: int  # and those after it
+
+
+@dataclass
+class FlashMatch:
+    """One flash-attn call (``flash.py``): ``operands`` are the graph values the op reads, by its argument
+    names."""
+
+    node: fx.Node  # autograd_function_apply, or the forward op itself under no_grad
+    op: fx.Node  # the forward op (inside fwd_body when ``node`` is autograd_function_apply)
+    arguments: dict[str, object]  # the op's arguments by name, defaults filled in
+    operands: dict[str, fx.Node]  # tensor arguments, as values of the outer graph
+    output: fx.Node  # the outer value holding the attention output
+    layout: str  # "BSHD" (flash_attn_func) or "SHD" (flash_attn_varlen_func)
+
+    @property
+    def head_dim(self) -> int:
+        return self.layout.index("H")
+
+    @property
+    def seq_dim(self) -> int:
+        return self.layout.index("S")
+
+    @property
+    def name(self) -> str:
+        return self.node.name
 
 
 @dataclass(frozen=True)

@@ -1,31 +1,27 @@
 """What lowering needs beyond each op's rule, checked when the analysis ends, before anything is rewritten.
 
 Note [Refusals before rewriting]
-    A rule sees one op. Some of what lowering needs is known only once every value has its layout (which
-    sizes end up as shapes of this rank's values) or concerns the run as a whole (the heads against the
-    Ulysses degree, the ring's token layout, the shard lengths against a convolution's window). These are
-    checked here, at the end of ``Analysis.run``, so that every refusal and configuration error of a graph
-    comes from the analysis, on every rank alike, before the first rewrite; the plans compared for a graph
-    with convolutions (Note [Windows or blocks] in ``sp_pass.py``) see them too, and a windowed plan that
-    would leave a rank without output positions loses to the plan on blocks of groups. Lowering raises
+    A rule sees one op. Some of what lowering needs is known only once every value has its layout (which sizes
+    end up as shapes of this rank's values) or concerns the run as a whole (the heads against the Ulysses
+    degree, the ring's token layout, the shard lengths against a convolution's window). These are checked
+    here, right after each ``Analysis.run`` (``sp_pass.py``), so that every refusal and configuration error of
+    a graph comes from the analysis, on every rank alike, before the first rewrite; the plans compared for a
+    graph with convolutions (Note [Windows or blocks] in ``sp_pass.py``) see them too, and a windowed plan
+    that would leave a rank without output positions loses to the plan on blocks of groups. Lowering raises
     nothing: what it could not do is an internal error, not a refusal.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import sympy
 from torch import fx
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import ancestors, bind, example_value, flatten
+from lightning_autosp.compiler.prove.analysis import Analysis
 from lightning_autosp.compiler.prove.plan import AttentionCall
 from lightning_autosp.compiler.prove.rules.products import conv_signature
 from lightning_autosp.data import SequenceShard
-
-if TYPE_CHECKING:
-    from lightning_autosp.compiler.prove.analysis import Analysis
 
 
 def check_lowering(a: Analysis) -> None:
