@@ -57,7 +57,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.optim import Optimizer
 
@@ -71,8 +71,18 @@ def check_data_parallel(
     save_distributed_checkpoint: object,
     ddp_kwargs: Mapping[str, Any],
     fsdp_gather: object = None,
+    offload_parameters: object = False,
 ) -> None:
     """Raise on bad ``data_parallel`` options, before any process starts."""
+    if not isinstance(offload_parameters, bool):
+        raise TypeError(f"offload_parameters={offload_parameters!r} must be True or False.")
+    if offload_parameters and (data_parallel != "fsdp" or fsdp_gather != "per_step"):
+        raise ValueError(
+            "offload_parameters=True keeps the parameter, gradient and optimizer shards in host memory "
+            "with FSDP2's CPUOffloadPolicy, which needs AutoSPStrategy(data_parallel='fsdp', "
+            f"fsdp_gather='per_step'); it is data_parallel={data_parallel!r}, fsdp_gather={fsdp_gather!r} "
+            "(per use, the shards are gathered inside the compiled step, from the device)."
+        )
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f"data_parallel={data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
     if fsdp_gather not in (None, "per_use", "per_step"):
@@ -100,12 +110,16 @@ def build_world_mesh(device_type: str, world_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=(WORLD,))
 
 
-def shard_module(module: nn.Module, mesh: DeviceMesh, gather: FSDPGather = "per_use") -> None:
+def shard_module(
+    module: nn.Module, mesh: DeviceMesh, gather: FSDPGather = "per_use", *, offload: bool = False
+) -> None:
     """Shard ``module`` over ``mesh``, unless the user sharded it in configure_model.
 
     ``gather="per_use"`` shards each parameter and gathers it where the compiled step uses it
     (:func:`shard_parameters`); ``"per_step"`` makes the whole module one FSDP2 unit, gathered around
-    each step (Note [FSDP units under a compiled step]). A user's own sharding is kept as it is, once
+    each step (Note [FSDP units under a compiled step]); ``offload`` keeps its shards (and so the
+    gradients' and optimizer state's) in host memory, with FSDP2's ``CPUOffloadPolicy``, which copies them
+    to the device for the gather and the gradients back. A user's own sharding is kept as it is, once
     checked: every parameter must be a DTensor spread over all ranks (``fully_shard``'s default mesh,
     or a 2-D one for HSDP), or gradients would not be summed over the sp ranks that each hold part of them.
     """
@@ -114,7 +128,8 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, gather: FSDPGather = "per_
     elif gather == "per_use":
         shard_parameters(module, mesh)
     else:
-        fully_shard(module, mesh=mesh)
+        policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+        fully_shard(module, mesh=mesh, offload_policy=policy)
 
 
 def shard_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -233,6 +248,7 @@ def setup_fully_sharded(
     mesh: DeviceMesh,
     gather: FSDPGather = "per_use",
     *,
+    offload: bool = False,
     on_meta: bool = False,
     materialize: Callable[[nn.Module, torch.device], None] | None = None,
 ) -> None:
@@ -248,7 +264,7 @@ def setup_fully_sharded(
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
         if not on_meta:
             strategy.model_to_device()
-    shard_module(strategy.model, mesh, gather)
+    shard_module(strategy.model, mesh, gather, offload=offload)
     if on_meta:
         materialize(strategy.model, strategy.root_device)
         strategy.model_to_device()  # what was built off the meta device
@@ -256,8 +272,8 @@ def setup_fully_sharded(
     if fitting:
         strategy.setup_optimizers(trainer)
     strategy.setup_precision_plugin()
-    if fitting:
-        _optimizers_to_device(strategy.optimizers, strategy.root_device)
+    if fitting:  # the optimizer steps where the shards are: on the host with offload
+        _optimizers_to_device(strategy.optimizers, torch.device("cpu") if offload else strategy.root_device)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

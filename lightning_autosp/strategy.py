@@ -121,6 +121,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         fsdp_gather: with "fsdp" only: "per_use" (default) all-gathers each parameter inside the compiled
             step where it is used and again in backward, so only a few layers are whole at a time;
             "per_step" makes the LightningModule one FSDP2 ``fully_shard`` unit, whole for each step.
+        offload_parameters: with "fsdp" and "per_step": the shards of parameters, gradients and optimizer
+            state live in host memory (FSDP2's ``CPUOffloadPolicy``); the optimizer steps there.
         save_distributed_checkpoint: with "fsdp", save one shard per rank to a directory instead of
             a full checkpoint file assembled on rank 0.
         check_samples: before each step, the ranks of an sp group check that they hold the same sample
@@ -157,6 +159,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         loss_chunk_tokens: int | None = None,
         data_parallel: fsdp.DataParallel = "ddp",
         fsdp_gather: fsdp.FSDPGather | None = None,
+        offload_parameters: bool = False,
         save_distributed_checkpoint: bool = False,
         check_samples: bool = True,
         gather_predictions: bool = True,
@@ -242,9 +245,12 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             lambda: self.device_mesh.get_group(SP),
             lambda: self.device_mesh.get_group(DP),
         )
-        fsdp.check_data_parallel(data_parallel, save_distributed_checkpoint, ddp_kwargs, fsdp_gather)
+        fsdp.check_data_parallel(
+            data_parallel, save_distributed_checkpoint, ddp_kwargs, fsdp_gather, offload_parameters
+        )
         self.data_parallel: fsdp.DataParallel = data_parallel
         self.fsdp_gather: fsdp.FSDPGather = fsdp_gather or "per_use"
+        self.offload_parameters = offload_parameters
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self.check_samples = check_samples
         self.gather_predictions = gather_predictions
@@ -340,6 +346,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             compiler=self.compiler,
             precision=self.precision_plugin.precision,
             ulysses_degree=self._ulysses_option,
+            offload_activations=self._backend_options["offload_activations"],
+            offload_parameters=self.offload_parameters,
             **self.loss_options,
         )
         self._sp_size = self.sp_plan.setup.sp_size
@@ -416,6 +424,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
                 trainer,
                 mesh,
                 self.fsdp_gather,
+                offload=self.offload_parameters,
                 on_meta=has_meta_tensors(self.model),
                 materialize=materialize,
             )

@@ -140,11 +140,30 @@ def longest_per_policy(
     return best
 
 
+def all_offloaded(shape: ModelShape, devices: int, memory: int) -> tuple[int, int]:
+    """The longest sequence and its sp size with everything on the host that can be: sac="longest" with
+    offload_activations, and FSDP per step with offload_parameters (FSDP2's CPUOffloadPolicy)."""
+    result = plan(
+        shape,
+        2**10 * devices,
+        devices,
+        memory,
+        sac="longest",
+        data_parallel="fsdp",
+        fsdp_gather="per_step",
+        ulysses_degree="auto",
+        offload_activations=True,
+        offload_parameters=True,
+    )
+    return max(((o.max_seq_len, o.setup.sp_size) for o in result.options), default=(0, 0))
+
+
 def records_table(gpus: Mapping[str, int] = GPUS) -> str:
     """Per published record (model, GPUs, GPU): the longest sequence the planner predicts for SAC, for
-    sac="longest" and for "longest" with its saved values offloaded, beside the record."""
+    sac="longest", for "longest" with its saved values offloaded, and with the parameters' shards and
+    optimizer state offloaded too, beside the record."""
     policies = ("on", "longest", "longest + offload")
-    labels = ("SAC", "longest", "longest + offload")
+    labels = ("SAC", "longest", "longest + offload", "all offloaded (FSDP per step)")
     columns = [
         "model",
         "GPUs",
@@ -154,14 +173,15 @@ def records_table(gpus: Mapping[str, int] = GPUS) -> str:
         *(f"ours: {label}" for label in labels),
         "best / record",
     ]
-    lines = ["| " + " | ".join(columns) + " |", "|---|---:|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| " + " | ".join(columns) + " |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for model, devices, gpu, tokens, who, how in RECORDS:
         best = longest_per_policy(PRESETS[model], devices, gpus[gpu], offload=(False, True))
+        best["all"] = all_offloaded(PRESETS[model], devices, gpus[gpu])
         cells = [PRESETS[model].name, str(devices), gpu, f"{who}: {tokens / 1e6:.1f}M", how]
-        for policy in policies:
+        for policy in (*policies, "all"):
             length, sp = best[policy]
             cells.append(f"{length / 1e6:.2f}M (sp={sp})" if length else "does not fit")
-        cells.append(f"{max(best[p][0] for p in policies) / tokens:.2f}x")
+        cells.append(f"{max(best[p][0] for p in (*policies, 'all')) / tokens:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

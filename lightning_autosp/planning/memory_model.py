@@ -86,6 +86,8 @@ class Setup:
     rebuild_attention: bool = False
     # offload_activations=True: saved values wait in host memory (Note [Activation offload])
     offload_activations: bool = False
+    # offload_parameters=True (FSDP per step): the shards and AdamW's state on the host (CPUOffloadPolicy)
+    offload_parameters: bool = False
     data_parallel: DataParallel = "ddp"
     precision: str = "bf16-mixed"
     batch_size: int = 1
@@ -109,6 +111,8 @@ class Setup:
             raise ValueError(f"data_parallel={self.data_parallel!r} is not supported; use 'ddp' or 'fsdp'.")
         if self.sp_size < 1 or self.devices % self.sp_size:
             raise ValueError(f"sp_size={self.sp_size} must divide devices={self.devices}.")
+        if self.offload_parameters and (self.data_parallel != "fsdp" or self.fsdp_gather != "per_step"):
+            raise ValueError("offload_parameters needs data_parallel='fsdp' and fsdp_gather='per_step'.")
         if self.rebuild_attention and not self.sac:
             raise ValueError("rebuild_attention (sac='longest') is a SAC policy; it needs sac=True.")
         if self.sp_size % self.layout.ulysses_degree:
@@ -247,6 +251,7 @@ class MemoryBreakdown:
     optimizer_step: int = 0  # the optimizer step's own peak, all of it (Note [Step peak])
     activations_freed_in_backward: bool = True
     host_activations: int = 0  # saved values in host memory (offload_activations); not in the total
+    host_state: int = 0  # parameter, gradient and optimizer shards in host memory (offload_parameters)
 
     @property
     def workspace(self) -> int:
@@ -298,6 +303,11 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     largest = max(shape.vocab * shape.hidden, shape.layer_matrix_params) * pb // shards
     optimizer_workspace = {"foreach": local_grads, "for_loop": 2 * largest, "fused": 0}[setup.optimizer_impl]
     ddp_buckets = dp_buffers if setup.data_parallel == "ddp" else 0
+    host_state = 0
+    if setup.offload_parameters:  # the shards live on the host, and the optimizer steps there
+        host_state = params + optimizer + local_grads + optimizer_workspace
+        params, optimizer, grads = 0, 0, grads - local_grads
+        local_grads = optimizer_workspace = 0
     saved = saved_activations(shape, setup, seq_len)
     mask = _mask_bytes(shape, setup, seq_len)  # saved or rebuilt in backward: held once either way
     activations = sum(saved.values()) - saved.get("attention mask", 0)
@@ -342,6 +352,7 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
         optimizer_step=params + optimizer + local_grads + optimizer_workspace + ddp_buckets,
         activations_freed_in_backward=setup.compiler == "inductor",
         host_activations=host_activations,
+        host_state=host_state,
     )
 
 

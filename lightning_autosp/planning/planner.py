@@ -244,6 +244,7 @@ def plan(
     reserve: float = 0.1,
     ulysses_degree: UlyssesDegree = None,
     offload_activations: bool = False,
+    offload_parameters: bool = False,
 ) -> Plan:
     """Predict per-rank memory for every (sp_size, sac, data_parallel) and the longest trainable sequence.
 
@@ -271,6 +272,7 @@ def plan(
         ulysses_degree: as ``AutoSPStrategy``'s option: None (all of sp is Ulysses), "auto" or an int
             (the rest of sp is ring attention, priced by ``sp_cost.py``: Note [Ring attention costs]).
         offload_activations: as ``AutoSPStrategy``'s option: saved values wait in host memory.
+        offload_parameters: as ``AutoSPStrategy``'s option (data_parallel="fsdp", fsdp_gather="per_step").
     """
     shape = model_shape(model_or_config)
     if seq_len < 1 or devices < 1:
@@ -296,6 +298,7 @@ def plan(
                     sac=recompute in (True, "auto", "longest"),
                     rebuild_attention=recompute == "longest",
                     offload_activations=offload_activations,
+                    offload_parameters=offload_parameters and kind == "fsdp",
                     data_parallel=kind,
                     precision=precision,
                     batch_size=batch_size,
@@ -337,6 +340,8 @@ def choose_sp_size(
     fsdp_gather: FSDPGather = "per_use",
     compiler: Compiler = "inductor",
     ulysses_degree: UlyssesDegree = None,
+    offload_activations: bool = False,
+    offload_parameters: bool = False,
 ) -> PlanOption:
     """The plan of the smallest sp_size whose step fits in ``memory_per_device``.
 
@@ -358,6 +363,8 @@ def choose_sp_size(
         fsdp_gather=fsdp_gather,
         compiler=compiler,
         ulysses_degree=ulysses_degree,
+        offload_activations=offload_activations,
+        offload_parameters=offload_parameters,
     )
     best = result.best()
     if best is not None:
@@ -428,6 +435,8 @@ def auto_sp_size(
     fsdp_gather: FSDPGather = "per_use",
     compiler: Compiler = "inductor",
     ulysses_degree: UlyssesDegree = None,
+    offload_activations: bool = False,
+    offload_parameters: bool = False,
 ) -> PlanOption:
     """``AutoSPStrategy(sp_size="auto")``: the smallest sp_size that fits ``max_seq_len`` tokens.
 
@@ -458,6 +467,8 @@ def auto_sp_size(
         fsdp_gather=fsdp_gather,
         compiler=compiler,
         ulysses_degree=ulysses_degree,
+        offload_activations=offload_activations,
+        offload_parameters=offload_parameters,
     )
     rank_zero_info(f"sp_size='auto' for {max_seq_len} tokens: {chosen.describe()}")
     return chosen

@@ -23,6 +23,7 @@ from unittest import mock
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -264,6 +265,10 @@ def _with_strategy(name: str, **strategy_kwargs: object) -> Case:
 CASES.update(
     {
         "fsdp_gpt_per_step": _with_strategy("fsdp_gpt", fsdp_gather="per_step"),
+        # the shards of parameters, gradients and AdamW's state in host memory (FSDP2's CPUOffloadPolicy)
+        "fsdp_gpt_per_step_offload": _with_strategy(
+            "fsdp_gpt", fsdp_gather="per_step", offload_parameters=True
+        ),
         "llama_packed_fsdp": _with_strategy("llama_packed", data_parallel="fsdp"),
         "flash_gqa_window_fsdp": _with_strategy("flash_gqa_window", data_parallel="fsdp"),
         "ring_llama_zigzag_fsdp": _with_strategy("ring_llama_zigzag", data_parallel="fsdp"),  # 4 ranks
@@ -419,9 +424,16 @@ def run_case(name: str, case: Case) -> dict:
         ),
         "checkpoint_keys_match": saved_keys == set(module.state_dict()),
         "sharded": all(isinstance(p, DTensor) for p in trained.parameters()),
+        "offload_policy": _offload_policy(trained),
         "explain": strategy.explain(),
         "cross_document_rel_diff": cross_document,
     }
+
+
+def _offload_policy(module: torch.nn.Module) -> str | None:
+    """The name of the offload policy of the FSDP2 unit that is the module, if it is one."""
+    group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+    return type(group.offload_policy).__name__ if group is not None else None
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ RING_CASES = [
 META_INIT_CASES = ["fsdp_meta_dp2_sp2", "fsdp_meta_dp2_sp2_per_step"]
 # data_parallel="fsdp" (2 ranks; dp=2 x sp=2 runs in tests/distributed/test_multinode.py)
 FSDP_CASES = ["fsdp_gpt", "fsdp_gpt_per_step", "fsdp_llama", "fsdp_gpt_inductor", "fsdp_user_units"]
+FSDP_CASES += ["fsdp_gpt_per_step_offload"]
 # Chunked LM head + cross-entropy, 5 tokens a chunk (every other case chunks too, in one chunk)
 CHUNKED_LOSS_CASES = ["gpt_chunked_loss", "llama_chunked_loss"]
 # Packed rows of 3 documents (position_ids restart); flash-attn (its ops on CPU: tests/flash_stand_in.py)
@@ -134,6 +135,15 @@ def test_parity_fsdp(two_rank_results, case):
     # Gradients are gathered from the DTensor shards; the scaling must equal DDP's exactly.
     assert_parity(two_rank_results, case)
     assert all(per_case[case]["sharded"] for per_case in two_rank_results.values())
+
+
+@pytest.mark.timeout(1260)
+def test_fsdp_offloads_parameter_shards_with_fsdp2s_cpu_offload_policy(two_rank_results):
+    # offload_parameters=True: the unit's shards (and so its gradients' and AdamW's state) live in host
+    # memory; on CPU that moves nothing, so the control is the policy FSDP2 runs with.
+    for per_case in two_rank_results.values():
+        assert per_case["fsdp_gpt_per_step_offload"]["offload_policy"] == "CPUOffloadPolicy"
+        assert per_case["fsdp_gpt_per_step"]["offload_policy"] == "OffloadPolicy"
 
 
 @pytest.mark.timeout(1260)

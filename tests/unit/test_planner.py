@@ -502,12 +502,25 @@ def test_the_longest_policy_keeps_only_block_inputs_and_fits_longer() -> None:
         Setup(8, 8, sac=False, rebuild_attention=True)
 
 
+def test_offloaded_parameters_leave_the_device_for_the_step_alone() -> None:
+    """offload_parameters (FSDP per step, FSDP2's CPUOffloadPolicy): the shards, their gradients and AdamW's
+    state are on the host; the device holds the gathered model and its gradients for the step."""
+    kept = Setup(1, 1, data_parallel="fsdp", fsdp_gather="per_step", rebuild_attention=True)
+    moved = dataclasses.replace(kept, offload_parameters=True)
+    on_device, on_host = step_memory(LLAMA_3_1_8B, kept, 2**14), step_memory(LLAMA_3_1_8B, moved, 2**14)
+    assert on_host.params == on_host.optimizer == on_host.optimizer_step == 0
+    assert on_host.host_state == on_device.params + on_device.optimizer + on_device.params + on_device.params
+    assert max_seq_len(LLAMA_3_1_8B, moved, 70 * GiB) > 0 == max_seq_len(LLAMA_3_1_8B, kept, 70 * GiB)
+    with pytest.raises(ValueError, match="offload_parameters needs data_parallel='fsdp'"):
+        Setup(8, 8, offload_parameters=True)
+
+
 def test_the_records_table_sets_each_policy_beside_the_published_record() -> None:
     table = records_table()
     rows = table.splitlines()[2:]
     assert len(rows) == len(RECORDS)
     assert "| Llama-3.1-8B | 8 | H100 80GB | ALST: 3.7M |" in table and "UPipe: 5.0M" in table
-    assert all(row.count("|") == 10 for row in rows)
+    assert all(row.count("|") == 11 for row in rows)
     # offloading "longest"'s saves reaches further than keeping them, wherever anything fits
     for row in rows:
         cells = [cell.strip() for cell in row.split("|")[1:-1]]

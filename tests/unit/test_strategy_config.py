@@ -275,3 +275,16 @@ def test_a_bad_argument_fails_when_the_strategy_is_made(kwargs: dict, error: typ
 def test_ddp_and_ddp_strategy_options_are_accepted() -> None:
     s = AutoSPStrategy(sp_size=2, find_unused_parameters=True, static_graph=True, ddp_comm_hook=None)
     assert s._ddp_kwargs == {"find_unused_parameters": True, "static_graph": True}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"data_parallel": "fsdp"}, {"data_parallel": "fsdp", "fsdp_gather": "per_use"}],
+)
+def test_offload_parameters_names_the_fsdp_setup_it_needs(options) -> None:
+    with pytest.raises(
+        ValueError, match=r"needs AutoSPStrategy\(data_parallel='fsdp', fsdp_gather='per_step'\)"
+    ):
+        AutoSPStrategy(sp_size=2, offload_parameters=True, **options)
+    with pytest.raises(TypeError, match="offload_parameters='yes' must be True or False"):
+        AutoSPStrategy(sp_size=2, offload_parameters="yes")
