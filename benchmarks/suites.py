@@ -66,7 +66,7 @@ SUITES: dict[str, dict[str, Any]] = {
     "gpu": {
         "models": ["llama-1b"],
         "layers": 4,
-        "methods": ["sac", "sp", "ddp", "deepspeed", "ulysses", "ring"],
+        "methods": ["sac", "longest_offload", "sp", "ddp", "deepspeed", "ulysses", "ring"],
         "seq_lens": [32768],
         "headline_len": 32768,
         "parity_len": 32768,
