@@ -7,16 +7,16 @@ Note [Activation offload]
     in backward. That is the last of ALST's levers over checkpoints: with "longest" only the layer inputs
     are saved, and now they live on the host, so the device holds one layer's rebuild at a time.
 
-    The copies are torch's own activation offloading (``torch._functorch._activation_offloading``),
-    switched on through ``torch._functorch.config`` for the one partition we run: we mark the candidates
-    (``meta["should_offload"]``) and torch's pass rewrites both graphs. Torch offloads only what is safe
-    to move: a saved value that is not a view, a getitem, a model output or non-contiguous. On an
-    accelerator the copies are asynchronous on a side stream into pinned host buffers; the forward waits
-    for them at its end, and backward starts each copy back early enough to hide it behind the compute
-    before its first use (prefetch, priced at ``activation_offload_cpu_gpu_bw`` GB/s), so about one
-    layer's values are on their way back while the layer above runs. On CPU both copies stay in host
-    memory and run synchronously: the mechanism runs and is tested (values round-trip, gradients exact,
-    the bytes moved are the planner's), and what it frees is measured on a GPU (``benchmarks/gpu_check.sh``).
+    The copies are torch's own activation offloading (``torch._functorch._activation_offloading``), switched
+    on through ``torch._functorch.config`` for the one partition we run: we mark the candidates
+    (``meta["should_offload"]``) and torch's pass rewrites both graphs. Torch offloads only what is safe to
+    move: a saved value that is not a view, a getitem, a model output or non-contiguous. On an accelerator
+    the copies are asynchronous on a side stream into pinned host buffers; the forward waits for each once
+    the next has started (below), and backward starts each copy back early enough to hide it behind the
+    compute before its first use (prefetch, priced at ``activation_offload_cpu_gpu_bw`` GB/s), so about one
+    layer's values are on their way back while the layer above runs. On CPU both copies stay in host memory
+    and run synchronously: the mechanism runs and is tested (values round-trip, gradients exact, the bytes
+    moved are the planner's), and what it frees is measured on a GPU (``benchmarks/gpu_check.sh``).
 
     Note [Waiting for a copy to host]
         An asynchronous copy is followed by a wait, which frees the device's copy once the host has it.
