@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler.backend import AutoSPBackend
-from lightning_autosp.compiler.partition.offload import wait_one_copy_later
+from lightning_autosp.compiler.partition.offload import Offload, wait_one_copy_later
 from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import SequenceShard
 from tests.unit.test_sac import RecordingPartitioner, _assert_same, _ids, _module, _step
@@ -127,3 +127,9 @@ def test_offload_composes_with_row_tiling(gloo_group: str) -> None:
     _assert_same(_step(module, backend, ids), _step(module, None, ids), rtol=1e-5)
     (report,) = backend.sac_reports
     assert report.tiled_regions > 0 and report.offloaded is not None and report.offloaded.values > 0
+
+
+def test_the_report_line_counts_values_in_words() -> None:
+    # docs/how-it-works.md quotes the parity run's line, which moved one value
+    assert "(1 value) kept in host memory" in Offload(1, 4096).line()
+    assert "(2 values) kept in host memory" in Offload(2, 8192).line()

@@ -59,9 +59,8 @@ class Offload:
     bytes: int
 
     def line(self) -> str:
-        return (
-            f"{self.bytes / 2**20:.2f} MiB of them ({self.values} values) kept in host memory until backward"
-        )
+        values = f"{self.values} value" + ("" if self.values == 1 else "s")
+        return f"{self.bytes / 2**20:.2f} MiB of them ({values}) kept in host memory until backward"
 
 
 def mark_offload_candidates(joint: fx.GraphModule) -> int:
