@@ -122,21 +122,17 @@ def shape_part(a: Analysis, expr: sympy.Expr) -> tuple[sympy.Symbol | None, int 
     return symbol, scale, rest
 
 
-# Ops whose size arguments a rewrite family replaces before ``lengths_pass`` reads what is left.
-_REWRITTEN = ("positions", "tables", "slices", "selections", "recompute")
-
-
 def _computed_anew(a: Analysis) -> set[fx.Node]:
     """Nodes whose value lowering computes anew (token data for the whole sequence, positions, the masks
     attention gets whole) and the nodes only they read: these go dead, and their sizes never become
     shapes of this rank's values."""
-    anew = {node for family in ("recompute", "positions", "tables") for node in getattr(a.plan, family)}
+    anew = {*a.plan.recompute, *a.plan.positions, *a.plan.tables}
     # users that get a value computed whole for them (a mask for attention, token data moved to global)
     # read the copy, not the value
     elsewhere = {
-        (c.mask, node)
-        for node, c in a.plan.attention.items()
-        if isinstance(getattr(c, "mask", None), fx.Node)
+        (call.mask, node)
+        for node, call in a.plan.attention.items()
+        if isinstance(call, AttentionCall) and isinstance(call.mask, fx.Node)
     }
     elsewhere |= {(move.value, move.user) for move in a.plan.redistributions if move.via == "recompute"}
     for node in reversed(a.gm.graph.nodes):
@@ -148,8 +144,10 @@ def _computed_anew(a: Analysis) -> set[fx.Node]:
 def _shapes_of_lengths(a: Analysis) -> None:
     """Every size computed from the length that an op takes as a shape of this rank's values must be a
     multiple of a length, so that each rank can tell its part of it."""
-    skipped = {node for family in _REWRITTEN for node in getattr(a.plan, family)} | _computed_anew(a)
-    skipped |= set(a.plan.attention) | set(a.plan.global_shapes) | set(a.sizes)
+    # what lowering computes anew, rewrites with its own sizes (slices, selections, attention), sizes at S
+    # (global_shapes), and the arithmetic on lengths itself, whose users get the number it computes
+    skipped = _computed_anew(a) | {*a.plan.slices, *a.plan.selections, *a.plan.attention}
+    skipped |= {*a.plan.global_shapes, *a.sizes}
     values = set(a.plan.value_sizes)
     for node in a.gm.graph.nodes:
         if node.op not in ("call_function", "call_method") or node in skipped:
