@@ -45,23 +45,35 @@ from lightning_autosp.compiler.runtime.ring import ring_args
 _SEQ_TO_HEAD = ops.seq_to_head
 _SEQ_TO_HEAD_PACKED = ops.seq_to_head_packed
 _HEAD_TO_SEQ = ops.head_to_seq
+_KEYWORDS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # SDPA's, after q, k and v
 
 
 def set_mask(node: fx.Node, call: AttentionCall, mask: object, is_causal: bool) -> None:
     """Give an SDPA call its mask for the whole sequence (from ``masks.attention_mask``), in the one form
-    lowering reads: q, k and v as arguments, the rest as keywords (``_arguments``)."""
-    node.args = (call.query, call.key, call.value)
-    node.kwargs = {
-        "attn_mask": mask,
-        "dropout_p": call.dropout_p,
-        "is_causal": is_causal,
-        "scale": call.scale,
-        "enable_gqa": call.enable_gqa,
-    }
+    lowering reads (``_arguments``)."""
+    _write_arguments(
+        node,
+        {
+            "query": call.query,
+            "key": call.key,
+            "value": call.value,
+            "attn_mask": mask,
+            "dropout_p": call.dropout_p,
+            "is_causal": is_causal,
+            "scale": call.scale,
+            "enable_gqa": call.enable_gqa,
+        },
+    )
+
+
+def _write_arguments(node: fx.Node, args: dict[str, object]) -> None:
+    """An SDPA call's arguments in one form: q, k and v as arguments, the rest as keywords."""
+    node.args = (args["query"], args["key"], args["value"])
+    node.kwargs = {name: args[name] for name in _KEYWORDS}
 
 
 def _arguments(node: fx.Node) -> dict[str, object]:
-    """An SDPA call's arguments by name, in the form ``set_mask`` gave it."""
+    """An SDPA call's arguments by name, in the form ``_write_arguments`` gave it."""
     query, key, value = node.args
     return {"query": query, "key": key, "value": value, **node.kwargs}
 
@@ -98,11 +110,7 @@ def sdpa_pass(
         copy = {"contiguous": True} if args["attn_mask"] is not None else {}
         tensors = _in_attention_dtype(graph, node, (query, key, value), report)
         q, k, v = seq_to_head_together(graph, tensors, (1, 2), comm_args, report, copy)
-    args.update(query=q, key=k, value=v)
-    node.args = (q, k, v)
-    node.kwargs = {
-        name: args[name] for name in ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    }
+    _write_arguments(node, {**args, "query": q, "key": k, "value": v})
     set_fake_value(node)  # now [B, H/P, S, D]
     attention = node
     if ctx.shard.ring_degree > 1:
