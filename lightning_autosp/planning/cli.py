@@ -118,10 +118,12 @@ def longest_per_policy(
     memory: int,
     policies: Sequence[bool | str] = (True, "longest"),
     offload: Sequence[bool] = (False,),
+    **setup: object,
 ) -> dict[str, tuple[int, int]]:
     """For each ``sac`` policy (with and without ``offload_activations``), the longest trainable sequence
-    over every sp size the devices allow (FSDP per use, bf16-mixed, AdamW, chunked loss, batch 1; ring
-    attention where sp passes the heads), and the sp size that reaches it."""
+    over every sp size the devices allow (FSDP per use unless ``setup`` says otherwise, bf16-mixed, AdamW,
+    chunked loss, batch 1; ring attention where sp passes the heads), and the sp size that reaches it.
+    ``setup``: more of ``plan``'s options."""
     best: dict[str, tuple[int, int]] = {}
     for offload_activations in offload:
         result = plan(
@@ -133,6 +135,7 @@ def longest_per_policy(
             data_parallel="fsdp",
             ulysses_degree="auto",
             offload_activations=offload_activations,
+            **setup,
         )
         for option in result.options:
             key = option.setup.policy
@@ -143,19 +146,10 @@ def longest_per_policy(
 def all_offloaded(shape: ModelShape, devices: int, memory: int) -> tuple[int, int]:
     """The longest sequence and its sp size with everything on the host that can be: sac="longest" with
     offload_activations, and FSDP per step with offload_parameters (FSDP2's CPUOffloadPolicy)."""
-    result = plan(
-        shape,
-        2**10 * devices,
-        devices,
-        memory,
-        sac="longest",
-        data_parallel="fsdp",
-        fsdp_gather="per_step",
-        ulysses_degree="auto",
-        offload_activations=True,
-        offload_parameters=True,
+    best = longest_per_policy(
+        shape, devices, memory, ("longest",), (True,), fsdp_gather="per_step", offload_parameters=True
     )
-    return max(((o.max_seq_len, o.setup.sp_size) for o in result.options), default=(0, 0))
+    return best.get("longest + offload", (0, 0))
 
 
 def records_table(gpus: Mapping[str, int] = GPUS) -> str:

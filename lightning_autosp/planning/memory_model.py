@@ -51,7 +51,8 @@ Note [Step peak]
     come within -9% to 0% for "ddp" (whose peak is the optimizer step) and both "fsdp" modes.
     ``reserve`` (default 10% of the device) is left for the CUDA context, NCCL and fragmentation.
     With ``offload_activations`` the saved values are in host memory but for about two layers' worth
-    (Note [Waiting for a copy to host] in ``compiler/partition/offload.py``); host memory is not checked.
+    (Note [Waiting for a copy to host] in ``compiler/partition/offload.py``); with ``offload_parameters``
+    the shards, AdamW's state and the optimizer step are (``host_state``). Host memory is not checked.
 """
 
 from __future__ import annotations
