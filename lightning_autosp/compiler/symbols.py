@@ -284,3 +284,21 @@ def size_node(graph: fx.Graph, value: object) -> object:
     if anchor is None:
         raise NotImplementedError("a graph without inputs has no sequence symbol")
     return build(expr)
+
+
+def affine(expr: sympy.Expr, symbol: sympy.Symbol | None) -> tuple[int | None, int]:
+    """(a, c) with ``expr == a * symbol + c`` in whole numbers; (None, 0) when it is not of that form (a
+    remainder, a floor division, a product of lengths)."""
+    if symbol is None:
+        return 0, int(expr)
+    try:
+        polynomial = sympy.Poly(expr, symbol)
+    except sympy.PolynomialError:
+        return None, 0
+    if polynomial.degree() > 1:
+        return None, 0
+    coefficients = polynomial.all_coeffs()
+    scale, rest = coefficients if len(coefficients) == 2 else [0, coefficients[0]]
+    if not (scale.is_integer and rest.is_integer):
+        return None, 0
+    return int(scale), int(rest)

@@ -120,3 +120,16 @@ def test_lowering_raises_no_refusal() -> None:
         or (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("refuse"))
     ]
     assert not raising, raising
+
+
+def test_rules_decide_and_never_write_the_plan() -> None:
+    """Note [Proving a graph exact]: a rule returns a decision; the analysis alone records it in the plan."""
+    rules = sorted((PACKAGE / "compiler" / "prove" / "rules").glob("*.py"))
+    assert rules
+    writing = [
+        f"{path.name}:{node.lineno}"
+        for path in rules
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "plan"
+    ]
+    assert not writing, writing

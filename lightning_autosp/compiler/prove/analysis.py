@@ -4,13 +4,14 @@ Note [Proving a graph exact]
     Each rank's graph is traced on its own shard of the sequence, with the shard length as a symbol
     (Note [Symbolic sequence lengths] in ``symbols.py``). The analysis walks the graph once, in order,
     and gives every value a layout (Note [Sequence layouts] in ``layout.py``) from its inputs' layouts
-    and the rule of its op (``rules.py``), like DTensor's sharding propagation. A rule does one of three
-    things:
+    and the rule of its op (``rules/``), like DTensor's sharding propagation. A rule returns its op's
+    output layout, or a ``Decision`` (``plan.py``): the layout and the rewrites lowering runs for the op.
+    The analysis records each decision in the plan; no rule writes it. A rule does one of three things:
 
     - propagate: the op acts on other dims (pointwise, linear, norms over the hidden dim, softmax over
       the vocabulary, reshapes that keep the sequence dim), so the local result is this rank's part
       of the single-device result;
-    - plan a rewrite that makes it so: attention (all-to-all), positions (``arange``, a table sliced
+    - decide a rewrite that makes it so: attention (all-to-all), positions (``arange``, a table sliced
       by the length), slices and pads along the sequence, reductions over it (a sum becomes
       ``PARTIAL``; a mean, a sum over a global count), losses, and token data (integer inputs such as
       labels or positions) that an op mixes along the sequence (a ``cumsum``, ``roll``, ``diff``),
@@ -68,7 +69,13 @@ from lightning_autosp.compiler.prove.layout import (
     Tag,
     shard,
 )
-from lightning_autosp.compiler.prove.plan import Plan, Redistribution, Refusal, SequenceParallelRefusal
+from lightning_autosp.compiler.prove.plan import (
+    Decision,
+    Plan,
+    Redistribution,
+    Refusal,
+    SequenceParallelRefusal,
+)
 from lightning_autosp.compiler.prove.rules import dispatch, rule_for
 
 log = logging.getLogger(__name__)
@@ -141,7 +148,8 @@ class Analysis:
                     f"the model branched on the sequence length ({guard}): that holds for this rank's "
                     f"{self.context.shard.local_len} tokens but not for the whole sequence of "
                     f"{self.context.shard.global_len}, which the single-device step would see",
-                    "Make the branch independent of the length, or use longer sequences",
+                    "Trace the step at the whole sequence's length, AutoSPStrategy(trace_length='whole') "
+                    "(one compile per length), or make the branch independent of the length",
                     where=where,
                 )
             )
@@ -440,7 +448,12 @@ class Analysis:
             for arg in args:
                 if isinstance(arg, fx.Node) and self.layout(arg).is_split:
                     self.sequence_home(arg)
-        self.layouts[node] = rule(self, node)
+        decided = rule(self, node)
+        if isinstance(decided, Decision):
+            for rewrite in decided.rewrites:
+                self.plan.record(node, rewrite)
+            decided = decided.layout
+        self.layouts[node] = decided
         if REFUSED in flatten([self.layouts[node]]) and not any(r.node is node for r in self.refusals):
             self.refuse(  # a layout the rule could not follow (a dim it tracks moved away): never silent
                 node,

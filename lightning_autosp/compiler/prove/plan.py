@@ -1,9 +1,11 @@
 """What the sequence-layout analysis decides, as typed records that lowering executes.
 
-``Analysis`` (``analysis.py``) fills one ``Plan`` per graph: the nodes each rewrite family changes, the
-moves of values between layouts (``Redistribution``, Note [Redistribution] in ``analysis.py``), and the
-``Refusal`` of anything it cannot prove exact. The rewrite families read these records and re-derive
-nothing.
+A rule (``rules/``) returns its op's output layout, or a ``Decision``: that layout and the rewrites
+lowering runs for the op (a family name, or a record with what the rewrite needs: a ``ConvolutionWindow``,
+an ``AttentionCall``...). ``Analysis`` (``analysis.py``) records each decision in one ``Plan`` per graph,
+beside the moves of values between layouts (``Redistribution``, Note [Redistribution] in
+``analysis.py``) and the ``Refusal`` of anything it cannot prove exact. The rewrite families read these
+records and re-derive nothing.
 """
 
 from __future__ import annotations
@@ -150,9 +152,62 @@ class AttentionCall:
     length: sympy.Expr | None = None  # the sequence's length where derived from the batch's (else None)
 
 
+# Rewrites that need nothing but the op: the name of the ``Plan`` field lowering reads them from.
+Family = Literal[
+    "positions",
+    "tables",
+    "slices",
+    "reductions",
+    "extrema",
+    "losses",
+    "selections",
+    "split_shapes",
+    "global_shapes",
+]
+
+
+@dataclass(frozen=True)
+class SplitConvolution:
+    """A grouped convolution over channels split across the ranks: it runs ``groups`` groups here."""
+
+    groups: int
+
+
+Rewrite = Family | SplitConvolution | ConvolutionWindow | TokenInsertion | AttentionCall | FlashMatch
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a rule decides for its op: the output's layout (a tuple of them for an op with several
+    outputs) and the rewrites lowering runs for it."""
+
+    layout: object
+    rewrites: tuple[Rewrite, ...] = ()
+
+
+# What a rule returns: its op's output layout (a tuple of them for several outputs), or a Decision.
+Decided = Layout | tuple[Layout, ...] | Decision
+
+
+def decide(layout: object, *rewrites: Rewrite) -> Decision:
+    return Decision(layout, rewrites)
+
+
+def layout_of(decided: object) -> object:
+    """The output layout of what a rule returned (a layout, or a ``Decision``)."""
+    return decided.layout if isinstance(decided, Decision) else decided
+
+
+def relayout(decided: object, layout: object, *rewrites: Rewrite) -> Decision:
+    """A rule's result ``decided`` with its output layout replaced by ``layout``, its rewrites kept and
+    ``rewrites`` added (a rule that builds on another's decision)."""
+    kept = decided.rewrites if isinstance(decided, Decision) else ()
+    return Decision(layout, (*kept, *rewrites))
+
+
 @dataclass
 class Plan:
-    """What the rewrite families change, node by node; filled by the rules (``rules.py``)."""
+    """What the rewrite families change, node by node; the analysis records the rules' decisions here."""
 
     attention: dict[fx.Node, AttentionCall | FlashMatch] = field(default_factory=dict)  # SDPA, flash-attn
     positions: list[fx.Node] = field(default_factory=list)  # arange(S_r) -> this rank's positions
@@ -170,6 +225,25 @@ class Plan:
     global_shapes: dict[fx.Node, None] = field(default_factory=dict)  # ops on global values: sizes at S
     windows: dict[fx.Node, ConvolutionWindow] = field(default_factory=dict)  # convolutions along it
     insertions: dict[fx.Node, TokenInsertion] = field(default_factory=dict)  # tokens joined to it
+
+    def record(self, node: fx.Node, rewrite: Rewrite) -> None:
+        """Record one rewrite a rule decided for ``node``."""
+        if isinstance(rewrite, str):
+            family = getattr(self, rewrite)
+            if isinstance(family, dict):
+                family[node] = None
+            else:
+                family.append(node)
+        elif isinstance(rewrite, SplitConvolution):
+            self.split_convolutions[node] = rewrite.groups
+        elif isinstance(rewrite, ConvolutionWindow):
+            self.windows[node] = rewrite
+        elif isinstance(rewrite, TokenInsertion):
+            self.insertions[node] = rewrite
+        elif isinstance(rewrite, (AttentionCall, FlashMatch)):
+            self.attention[node] = rewrite
+        else:
+            raise TypeError(f"no rewrite family for {rewrite!r}")
 
     def traffic(self) -> tuple[int, int]:
         """(collectives, bytes this rank holds of what they move) of the moves and windows, at the traced

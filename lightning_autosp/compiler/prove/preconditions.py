@@ -93,30 +93,12 @@ def _reads_sharded_inputs(a: Analysis, node: fx.Node) -> bool:
 # sizes
 
 
-def affine(expr: sympy.Expr, symbol: sympy.Symbol | None) -> tuple[int | None, int]:
-    """(a, c) with ``expr == a * symbol + c`` in whole numbers; (None, 0) when it is not of that form (a
-    remainder, a floor division, a product of lengths)."""
-    if symbol is None:
-        return 0, int(expr)
-    try:
-        polynomial = sympy.Poly(expr, symbol)
-    except sympy.PolynomialError:
-        return None, 0
-    if polynomial.degree() > 1:
-        return None, 0
-    coefficients = polynomial.all_coeffs()
-    scale, rest = coefficients if len(coefficients) == 2 else [0, coefficients[0]]
-    if not (scale.is_integer and rest.is_integer):
-        return None, 0
-    return int(scale), int(rest)
-
-
 def shape_part(a: Analysis, expr: sympy.Expr) -> tuple[sympy.Symbol | None, int | None, int]:
     """A size used as a shape, as (length symbol, a, c) with ``expr == a * (symbol + c / a)``: this rank's
     part of it is ``a`` times its count of a length ``symbol + c / a`` (``positions.lengths_pass``);
     ``a`` is None when no rank can tell its part."""
     (symbol,) = symbols.symbols_of(expr) & set(a.lengths) or {None}
-    scale, rest = affine(expr, symbol)
+    scale, rest = symbols.affine(expr, symbol)
     if scale is None or (scale and rest % scale):
         return symbol, None, 0
     return symbol, scale, rest

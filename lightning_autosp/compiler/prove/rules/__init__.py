@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler.fx_utils import op_name
+from lightning_autosp.compiler.prove.plan import Decided
 from lightning_autosp.compiler.prove.rules import (
     derived,
     dispatch,
@@ -29,7 +30,7 @@ from lightning_autosp.compiler.prove.rules import (
     shapes,
 )
 
-Rule = Callable[..., object]
+Rule = Callable[..., Decided]  # (analysis, node) -> the op's layout, or a Decision
 
 
 def _table() -> dict[str, Rule]:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 
+from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import flatten, meta_value
 from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout
 
@@ -100,3 +101,12 @@ def sequence_dims_of_output(a, node: fx.Node) -> set[int]:
 def partial_passes(a, node: fx.Node) -> Layout | None:
     """Views, slices and selections are linear: a partial sum stays one."""
     return PARTIAL if a.layout(node.args[0]) == PARTIAL else None
+
+
+def holds_tokens(a, expr: object) -> bool:
+    """Whether a dim of traced size ``expr`` can hold this rank's part of a sequence: a whole multiple of
+    one length plus a constant the multiple divides (``preconditions.shape_part``), not a size of chunks
+    or of a chunk (a floor division of the length)."""
+    (symbol,) = symbols.symbols_of(expr) & set(a.lengths) or {None}
+    scale, rest = symbols.affine(expr, symbol) if symbol is not None else (None, 0)
+    return bool(scale) and rest % scale == 0

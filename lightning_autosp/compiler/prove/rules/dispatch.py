@@ -29,6 +29,7 @@ from torch import fx
 
 from lightning_autosp.compiler.fx_utils import meta_value
 from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout, rows
+from lightning_autosp.compiler.prove.plan import Decided, decide
 from lightning_autosp.compiler.prove.rules.common import ndim, tensor_nodes
 
 
@@ -161,13 +162,11 @@ def _same_length(*nodes: fx.Node) -> bool:
     return all(len(shape) == 1 for shape in shapes) and len({str(shape) for shape in shapes}) == 1
 
 
-def reduce_rows(a, node: fx.Node, layout: Layout, reduced: list[int]) -> Layout:
+def reduce_rows(a, node: fx.Node, layout: Layout, reduced: list[int]) -> Decided:
     """A reduction of permuted rows: over dim 0 a sum over this rank's slots (partial), else per row."""
     if 0 not in reduced:
         return layout
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if name in ("sum", "nansum", "mean", "nanmean"):
-        if name in ("mean", "nanmean"):
-            a.plan.reductions.append(node)
-        return PARTIAL
+        return decide(PARTIAL, "reductions") if name in ("mean", "nanmean") else PARTIAL
     return a.refuse(node, f"reduces ({name}) over rows of this rank's tokens", FIX)

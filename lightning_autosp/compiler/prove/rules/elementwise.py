@@ -12,6 +12,7 @@ from torch import fx
 
 from lightning_autosp.compiler.fx_utils import meta_value, op_name
 from lightning_autosp.compiler.prove.layout import CAUSAL, PARTIAL, REPLICATE, Layout, global_, shard
+from lightning_autosp.compiler.prove.plan import Decided, decide, layout_of
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import ndim, tensor_nodes
 from lightning_autosp.compiler.prove.rules.split import broadcast, handles_split, home_or_align
@@ -51,7 +52,7 @@ _CASTS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "conti
 
 @dispatch.handles_local_order
 @handles_split
-def pointwise(a, node: fx.Node) -> Layout:
+def pointwise(a, node: fx.Node) -> Decided:
     tensors = tensor_nodes([*node.args, *node.kwargs.values()])
     out_rank = ndim(node)
     regrouped = home_or_align(a, [broadcast(t, out_rank) for t in tensors], out_rank)
@@ -90,14 +91,14 @@ def pointwise(a, node: fx.Node) -> Layout:
             "Use the mask only as attention's attn_mask",
         )
     if whole:
-        a.plan.global_shapes[node] = None
-        return global_(*whole)
+        return decide(global_(*whole), "global_shapes")
     return shard(*local, flat=tuple(flat & local))
 
 
 @dispatch.handles_local_order
-def in_place(a, node: fx.Node) -> Layout:
-    result = pointwise(a, node)
+def in_place(a, node: fx.Node) -> Decided:
+    decided = pointwise(a, node)
+    result = layout_of(decided)
     target = node.args[0] if node.args else None
     if isinstance(target, fx.Node) and a.moved(target):
         return a.refuse(
@@ -111,7 +112,7 @@ def in_place(a, node: fx.Node) -> Layout:
             f"writes a value of layout {result} in place into {target.name} ({a.layout(target)})",
             "Assign the result to a new tensor instead of updating one in place",
         )
-    return result
+    return decided
 
 
 def _linear_in_partial(node: fx.Node, tensors: list[fx.Node], layouts: list[Layout]) -> bool:

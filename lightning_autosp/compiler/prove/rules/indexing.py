@@ -13,7 +13,8 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler.fx_utils import index_items, meta_value
-from lightning_autosp.compiler.prove.layout import PARTIAL, REFUSED, REPLICATE, Layout, shard
+from lightning_autosp.compiler.prove.layout import PARTIAL, REFUSED, REPLICATE, Layout, shard, split
+from lightning_autosp.compiler.prove.plan import Decided, decide
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import (
     INDEX_FIX,
@@ -28,7 +29,7 @@ from lightning_autosp.compiler.prove.rules.split import handles_split
 
 @dispatch.handles_local_order
 @handles_split
-def getitem(a, node: fx.Node) -> object:
+def getitem(a, node: fx.Node) -> Decided:
     source, index = node.args
     layouts = a.layouts.get(source)
     if isinstance(layouts, tuple):  # an element of a tuple-valued op (split, topk, max(dim))
@@ -86,11 +87,11 @@ def getitem(a, node: fx.Node) -> object:
     if sliced_sequence:
         if layout.kind != "shard" or layout.is_pairwise:
             return a.mixes(node, "slices a mask along the sequence", layout.mapped(where), INDEX_FIX)
-        a.plan.slices.append(node)
+        return decide(layout.mapped(where), "slices")
     return layout.mapped(where)
 
 
-def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Layout:
+def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Decided:
     """Basic indexing of a split value: its sequence dims are whole, so any slice of them is taken as
     written (at the global length); the split dim itself must stay whole."""
     source = node.args[0]
@@ -101,7 +102,13 @@ def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Layo
         if a.sequence_home(source) == REFUSED:  # no way back to shards: the refusal says why
             return REFUSED
         return getitem(a, node)
-    return layout.mapped(where)
+    out = layout.mapped(where)
+    # A dim cut back to the sequence's length (a chunked scan's padded output, ``y[:, :S]``) is the
+    # sequence: its row t is position t, which is all a sequence dim's layout says (Note [Sequence layouts]).
+    restored = {d for d, size in enumerate(a.shape(node) or ()) if size in a.lengths} - {out.split}
+    if out.is_split and not restored <= set(out.dims):
+        return split(out.split, *(set(out.dims) | restored), flat=out.flat, chunks=out.chunks)
+    return out
 
 
 def _basic_index(items: list) -> tuple[dict[int, int | None], list[tuple[int, object]], int]:
@@ -134,7 +141,7 @@ def _bounded_by_length(a, item: slice) -> bool:
     return any(a.has_sequence_symbol(a.size_expr(v)) for v in (item.start, item.stop, item.step))
 
 
-def _table_slice(a, node: fx.Node, item: slice, out_dim: int) -> Layout:
+def _table_slice(a, node: fx.Node, item: slice, out_dim: int) -> Decided:
     """``table[:T]`` of a replicated table (learned positions, a rope cache): rows at this rank's "
     "positions."""
     start, step = a.size_expr(item.start), a.size_expr(item.step)
@@ -144,11 +151,10 @@ def _table_slice(a, node: fx.Node, item: slice, out_dim: int) -> Layout:
             f"slices a replicated table by the sequence length with start {item.start} / step {item.step}",
             "Slice position tables from 0 (table[:T]), or index them with position ids",
         )
-    a.plan.tables.append(node)
-    return shard(out_dim)
+    return decide(shard(out_dim), "tables")
 
 
-def _advanced_index(a, node: fx.Node, items: list, tensor_items: list[fx.Node]) -> Layout:
+def _advanced_index(a, node: fx.Node, items: list, tensor_items: list[fx.Node]) -> Decided:
     """``x[..., idx, ...]``: one tensor index on a dim that is not the sequence (a table looked up by
     per-token ids) propagates; indexing along the sequence is recomputed (token data) or refused."""
     source = node.args[0]
@@ -179,7 +185,7 @@ def _advanced_index(a, node: fx.Node, items: list, tensor_items: list[fx.Node]) 
     return shard(*dims, flat=tuple(flat))
 
 
-def narrow(a, node: fx.Node) -> Layout:
+def narrow(a, node: fx.Node) -> Decided:
     a.shape_use(*node.args[1:], *node.kwargs.values())
     source, rank = node.args[0], ndim(node.args[0])
     layout = a.layout(source)
@@ -191,11 +197,11 @@ def narrow(a, node: fx.Node) -> Layout:
     if dim in layout.dims:
         if dim in layout.flat or layout.kind != "shard" or layout.is_pairwise:
             return a.mixes(node, "narrows a flattened or pairwise sequence dim", layout, INDEX_FIX)
-        a.plan.slices.append(node)
+        return decide(layout, "slices")
     return layout
 
 
-def select(a, node: fx.Node) -> Layout:
+def select(a, node: fx.Node) -> Decided:
     source, rank = node.args[0], ndim(node.args[0])
     layout = a.layout(source)
     if layout == PARTIAL:
@@ -207,7 +213,7 @@ def select(a, node: fx.Node) -> Layout:
     return layout.mapped(where)
 
 
-def _position(a, node: fx.Node, layout: Layout, out: Layout) -> Layout:
+def _position(a, node: fx.Node, layout: Layout, out: Layout) -> Decided:
     """Positions picked along the sequence of an activation (``x[:, -1]``, ``x[arange(B), last]``): the
     rank holding a position gives it, the others zeros, so the result is a partial sum (DTensor's
     ``Partial``) that one all-reduce makes whole where it is needed (``slices.py``: selections)."""
@@ -218,8 +224,7 @@ def _position(a, node: fx.Node, layout: Layout, out: Layout) -> Layout:
             out,
             "Pool over the sequence (e.g. a mean) or select the position in the data pipeline",
         )
-    a.plan.selections.append(node)
-    return PARTIAL
+    return decide(PARTIAL, "selections")
 
 
 def index_along(a, node: fx.Node) -> Layout:
@@ -249,7 +254,13 @@ def index_along(a, node: fx.Node) -> Layout:
 
 
 @dispatch.handles_local_order
+@handles_split
 def setitem(a, node: fx.Node) -> Layout:
+    if _assignment_into_a_block(a, node):
+        return REPLICATE  # the assignment returns None; ``target`` keeps its layout
+    for value in tensor_nodes(node.args):  # its other forms know sequence shards only
+        if a.layout(value).is_split:
+            a.sequence_home(value)
     inverse = dispatch.inverse(a, node)
     if inverse is not None:
         return inverse
@@ -260,6 +271,30 @@ def setitem(a, node: fx.Node) -> Layout:
         "assigns into a tensor by index (x[i] = y) where sequence data is involved",
         "Build the tensor with torch.where or scatter instead of an indexed assignment",
     )
+
+
+def _assignment_into_a_block(a, node: fx.Node) -> bool:
+    """``out[:, :, i] = y`` into a value on the whole sequence for a block of a dim (a chunked scan's output
+    buffer, split over heads), with basic indices that keep that dim whole and ``y`` split along the same
+    dim of the slot, or a number: each rank writes its block from its block (Qwen3-Next's gated delta
+    rule, traced at the whole sequence's length)."""
+    target, index, value = node.args
+    layout = a.layout(target)
+    if not layout.is_split or a.moved(target) or not isinstance(meta_value(target), torch.Tensor):
+        return False
+    items = index_items(index, ndim(target))
+    if any(isinstance(item, fx.Node) and isinstance(meta_value(item), torch.Tensor) for item in items):
+        return False
+    items += [slice(None)] * (ndim(target) - sum(1 for item in items if item is not None))
+    a.shape_use(*[v for item in items if isinstance(item, slice) for v in (item.start, item.stop, item.step)])
+    where, indexed, out_dim = _basic_index(items)
+    if not any(dim == layout.split and _is_whole(a, item) for dim, item in indexed):
+        return False  # the block's dim is cut or picked
+    if not isinstance(value, fx.Node):
+        return isinstance(value, (int, float, bool))
+    written = a.layout(value)
+    slot = layout.mapped(where)
+    return written.is_split and written.split == slot.split and meta_value(value).dim() == out_dim
 
 
 def _masked_fill(a, node: fx.Node) -> bool:

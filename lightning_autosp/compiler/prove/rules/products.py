@@ -17,7 +17,13 @@ from torch import fx
 from lightning_autosp.compiler.fx_utils import bind, meta_value, op_name
 from lightning_autosp.compiler.prove.flash import flash_refusal
 from lightning_autosp.compiler.prove.layout import CAUSAL, PARTIAL, REFUSED, REPLICATE, Layout, shard
-from lightning_autosp.compiler.prove.plan import AttentionCall, ConvolutionWindow
+from lightning_autosp.compiler.prove.plan import (
+    AttentionCall,
+    ConvolutionWindow,
+    Decided,
+    SplitConvolution,
+    decide,
+)
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import (
     ATTENTION_FIX,
@@ -258,7 +264,7 @@ def one_hot(a, node: fx.Node) -> Layout:
 
 
 @handles_split
-def convolution(a, node: fx.Node) -> Layout:
+def convolution(a, node: fx.Node) -> Decided:
     """conv1d / conv2d / conv3d and their transposes over [N, C, *spatial]. Along the spatial dims each
     output reads neighbours, which at a shard's edge live on the next rank. A grouped convolution whose
     groups divide by P (a depthwise causal convolution, as in Mamba and gated-delta layers) runs on the
@@ -283,11 +289,9 @@ def convolution(a, node: fx.Node) -> Layout:
             operands.append(Operand(args["bias"], {0: 1}))
         regrouped = align(a, operands, 1, ndim(node))
         if regrouped is not None:
-            a.plan.split_convolutions[node] = groups // world
-            return regrouped
+            return decide(regrouped, SplitConvolution(groups // world))
     if windowed:
-        a.plan.windows[node] = window
-        return layout
+        return decide(layout, window)
     return a.refuse(
         node,
         f"convolves along the sequence ({window}), and its groups ({groups}) do not divide by "
@@ -351,7 +355,7 @@ _CONV_SIGNATURES = {
 # attention
 
 
-def sdpa(a, node: fx.Node) -> Layout:
+def sdpa(a, node: fx.Node) -> Decided:
     args = bind(node, SDPA_SIGNATURE)  # once: lowering reads the AttentionCall below
     query, key, value, mask = args["query"], args["key"], args["value"], args["attn_mask"]
     layouts = [a.layout(t) for t in (query, key, value)]
@@ -386,7 +390,7 @@ def sdpa(a, node: fx.Node) -> Layout:
             "places whole chunks of the batch's tokens)",
             "Attend over the batch's sequence, or use an sp_size (ulysses_degree) that divides the heads",
         )
-    a.plan.attention[node] = AttentionCall(
+    call = AttentionCall(
         query=query,
         key=key,
         value=value,
@@ -398,7 +402,7 @@ def sdpa(a, node: fx.Node) -> Layout:
         heads=meta_value(query).shape[1],
         length=length,
     )
-    return shard(seq)
+    return decide(shard(seq), call)
 
 
 def _derived_length(a, tensor: fx.Node, dim: int) -> sympy.Expr | None:
@@ -421,7 +425,7 @@ def _refuse_mask(a, node: fx.Node) -> Layout:
     )
 
 
-def flash(a, node: fx.Node) -> object:
+def flash(a, node: fx.Node) -> Decided:
     match = a.flash_matches.get(node)
     if match is None and any(r.node is node for r in a.refusals):
         return REFUSED  # find_flash_attention said why
@@ -458,10 +462,9 @@ def flash(a, node: fx.Node) -> object:
             "joined to it, a convolution's output)",
             "Use F.scaled_dot_product_attention there, or join the tokens in the data pipeline",
         )
-    a.plan.attention[node] = match
     value = meta_value(node)
     count = len(value) if isinstance(value, (tuple, list)) else 1
-    return (shard(seq),) * count if isinstance(value, (tuple, list)) else shard(seq)
+    return decide((shard(seq),) * count if isinstance(value, (tuple, list)) else shard(seq), match)
 
 
 def refuse_subgraph(a, node: fx.Node) -> Layout:

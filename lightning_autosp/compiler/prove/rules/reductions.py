@@ -15,6 +15,7 @@ from torch import fx
 
 from lightning_autosp.compiler.fx_utils import bind, op_name
 from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout
+from lightning_autosp.compiler.prove.plan import Decided, decide, layout_of, relayout
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import (
     ATTENTION_FIX,
@@ -203,7 +204,7 @@ _EXTREMA = {"amax": "max", "amin": "min", "max": "max", "min": "min", "any": "ma
 
 @dispatch.handles_local_order
 @handles_split
-def reduction(a, node: fx.Node) -> object:
+def reduction(a, node: fx.Node) -> Decided:
     """sum / mean / amax / amin / max / min / any / all / prod / std / var / norm / logsumexp / argmax..."""
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     source = node.args[0]
@@ -225,9 +226,9 @@ def reduction(a, node: fx.Node) -> object:
         return dispatch.reduce_rows(a, node, layout, reduced)
     if layout.is_split and layout.split in reduced:
         if set(layout.dims) <= set(reduced) and name in _SUMS | _MEANS - {"count_nonzero"}:
-            if name in _MEANS:  # over the dims' whole sizes, as traced
-                a.plan.reductions.append(node)
-            return PARTIAL  # the sums of the ranks' blocks add up to the whole sum
+            # the sums of the ranks' blocks add up to the whole sum; a mean divides by the dims' whole
+            # sizes, as traced
+            return decide(PARTIAL, "reductions") if name in _MEANS else PARTIAL
         layout = a.sequence_home(source)
     where = reduced_positions(rank, reduced, keepdim)
     remaining = layout.mapped(where)
@@ -244,8 +245,7 @@ def reduction(a, node: fx.Node) -> object:
     if name in _SUMS:
         return PARTIAL
     if name in _MEANS:
-        a.plan.reductions.append(node)
-        return PARTIAL
+        return decide(PARTIAL, "reductions")
     if name in _EXTREMA:
         if returns_indices and _indices_used(node):
             return a.mixes(
@@ -254,8 +254,7 @@ def reduction(a, node: fx.Node) -> object:
                 (REPLICATE, REPLICATE),
                 "Take only the values",
             )
-        a.plan.extrema.append(node)
-        return (REPLICATE, REPLICATE) if returns_indices else REPLICATE
+        return decide((REPLICATE, REPLICATE) if returns_indices else REPLICATE, "extrema")
     if node not in a.token_data:  # std, logsumexp, median...: on the whole sequence for a block
         operand = Operand(source, {d: d for d in range(rank)})
         out_dim = choose(a, [operand], [d for d in range(rank) if d not in reduced])
@@ -315,7 +314,7 @@ _LOSS_SIGNATURES = {
 }
 
 
-def class_loss(a, node: fx.Node) -> Layout:
+def class_loss(a, node: fx.Node) -> Decided:
     """cross_entropy / nll_loss: class dim 1 (0 for a 1-D input); every other dim indexes tokens."""
     materialize_all(a, node)
     source, target = node.args[0], arg(node, 1, "target")
@@ -344,19 +343,18 @@ def class_loss(a, node: fx.Node) -> Layout:
         return target_layout
     if reduction_kind == "sum":
         return PARTIAL
-    a.plan.losses.append(node)
-    return REPLICATE
+    return decide(REPLICATE, "losses")
 
 
-def elementwise_loss(a, node: fx.Node) -> Layout:
+def elementwise_loss(a, node: fx.Node) -> Decided:
     """mse_loss / l1_loss / smooth_l1_loss / huber_loss / binary_cross_entropy(_with_logits) / kl_div."""
-    layout = pointwise(a, node)
+    decided = pointwise(a, node)
+    layout = layout_of(decided)
     reduction_kind = node.kwargs.get("reduction", "mean")
     if layout == REPLICATE or reduction_kind == "none":
-        return layout
+        return decided
     if reduction_kind == "sum":
-        return PARTIAL
-    if reduction_kind == "batchmean" and 0 not in layout.dims:
-        return PARTIAL  # sum / batch size: the batch is not sharded
-    a.plan.reductions.append(node)
-    return PARTIAL
+        return relayout(decided, PARTIAL)
+    if reduction_kind == "batchmean" and 0 not in layout.dims:  # sum / batch size: the batch is whole
+        return relayout(decided, PARTIAL)
+    return relayout(decided, PARTIAL, "reductions")

@@ -14,10 +14,11 @@ from torch import fx
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import flatten, meta_value
 from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout, shard, split
-from lightning_autosp.compiler.prove.plan import TokenInsertion
+from lightning_autosp.compiler.prove.plan import Decided, TokenInsertion, decide
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import (
     arg,
+    holds_tokens,
     ndim,
     normalize_dims,
     partial_passes,
@@ -32,7 +33,7 @@ from lightning_autosp.compiler.prove.rules.split import Operand, align, handles_
 
 @dispatch.handles_local_order
 @handles_split
-def view(a, node: fx.Node) -> Layout:
+def view(a, node: fx.Node) -> Decided:
     """view / reshape / flatten / unflatten / squeeze / unsqueeze / view_as / reshape_as."""
     a.shape_use(*node.args[1:], *node.kwargs.values())
     partial = partial_passes(a, node)
@@ -45,8 +46,8 @@ def view(a, node: fx.Node) -> Layout:
         return _keeps_rows(a, node, source, layout)
     if in_shape is None or out_shape is None or layout.kind not in ("shard", "global", "split"):
         return layout
-    if layout.kind == "global":  # a mask handed on whole: its sizes are the global ones
-        a.plan.global_shapes[node] = None
+    # a mask handed on whole: its sizes are the global ones
+    rewrites = ("global_shapes",) if layout.kind == "global" else ()
     hints_in = [symbols.hint(v) for v in meta_value(source).shape]
     hints_out = [symbols.hint(v) for v in meta_value(node).shape]
     groups = _view_groups(hints_in, hints_out)
@@ -56,9 +57,8 @@ def view(a, node: fx.Node) -> Layout:
         if split_dim is None:  # its block is not one block of the new shape: back to sequence shards
             a.sequence_home(source)
             return view(a, node)
-        a.plan.split_shapes[node] = None
     if split_dim is not None:  # the sequence is whole: views may cut it into chunks and join them
-        return _split_view(a, layout, split_dim, groups, hints_in, out_shape)
+        return decide(_split_view(a, layout, split_dim, groups, hints_in, out_shape), "split_shapes")
     dims, flat = set(), set()
     for group_in, group_out in groups:
         seq_in = [d for d in group_in if d in layout.dims]
@@ -70,7 +70,9 @@ def view(a, node: fx.Node) -> Layout:
         # (s, 1) -> (s, 1) keeps the sequence whole (multi-head attention at batch size 1).
         sized_in = [d for d in group_in if hints_in[d] != 1 or d in seq_in]
         sized_out = [d for d in group_out if hints_out[d] != 1 or d in carriers]
-        if len(seq_in) > 1 or len(carriers) != 1 or (len(sized_in) > 1 and len(sized_out) > 1):
+        # a carrier sized as chunks of the length (one chunk at this length) holds no rank's part of it
+        chunked = any(not holds_tokens(a, out_shape[d]) for d in carriers)
+        if len(seq_in) > 1 or len(carriers) != 1 or (len(sized_in) > 1 and len(sized_out) > 1) or chunked:
             if _whole_sequence_for_a_block(a, node, source, layout, groups):
                 return view(a, node)
             return a.refuse(
@@ -83,7 +85,8 @@ def view(a, node: fx.Node) -> Layout:
         dims.add(out_dim)
         if merged or any(d in layout.flat for d in seq_in) and len(group_out) == 1:
             flat.add(out_dim)
-    return Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+    out = Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+    return decide(out, *rewrites)
 
 
 def _split_view(a, layout: Layout, split_dim: int, groups: list, hints_in: list[int], out_shape) -> Layout:
@@ -200,7 +203,7 @@ def permute(a, node: fx.Node) -> Layout:
 
 @dispatch.handles_local_order
 @handles_split
-def expand(a, node: fx.Node) -> Layout:
+def expand(a, node: fx.Node) -> Decided:
     """expand / expand_as / broadcast_to / repeat / tile: a new sequence-sized dim repeats one value."""
     a.shape_use(*node.args[1:], *node.kwargs.values())
     partial = partial_passes(a, node)
@@ -221,9 +224,9 @@ def expand(a, node: fx.Node) -> Layout:
         if name in ("repeat", "tile"):
             a.sequence_home(source)
             return expand(a, node)
-        a.plan.split_shapes[node] = None
         flat = tuple(d + offset for d in layout.flat)
-        return split(layout.split + offset, *(dims | sequence_dims_of_output(a, node)), flat=flat)
+        out = split(layout.split + offset, *(dims | sequence_dims_of_output(a, node)), flat=flat)
+        return decide(out, "split_shapes")
     if name in ("repeat", "tile"):
         repeats = [
             symbols.hint(meta_value(r) if isinstance(r, fx.Node) else r)
@@ -234,13 +237,12 @@ def expand(a, node: fx.Node) -> Layout:
             return a.refuse(node, "repeats values along the sequence", "Repeat along other dims only")
     dims |= sequence_dims_of_output(a, node)
     if layout.kind == "global":
-        a.plan.global_shapes[node] = None
-        return Layout("global", tuple(sorted(dims)))
+        return decide(Layout("global", tuple(sorted(dims))), "global_shapes")
     return shard(*dims, flat=tuple(d + offset for d in layout.flat))
 
 
 @handles_split
-def pad(a, node: fx.Node) -> Layout:
+def pad(a, node: fx.Node) -> Decided:
     a.shape_use(*node.args[1:])
     source, rank = node.args[0], ndim(node.args[0])
     layout = a.layout(source)
@@ -268,8 +270,7 @@ def pad(a, node: fx.Node) -> Layout:
             layout,
             "Pad at the end of the sequence, or in the data pipeline",
         )
-    a.plan.slices.append(node)
-    return layout
+    return decide(layout, "slices")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def pad(a, node: fx.Node) -> Layout:
 
 
 @handles_split
-def cat(a, node: fx.Node) -> Layout:
+def cat(a, node: fx.Node) -> Decided:
     """cat / concat: an operand with no elements adds nothing, so ``cat([empty, x])`` is ``x`` (HF's
     ``DynamicCache`` appends each layer's keys and values to an empty tensor, which training never reads
     again); joining pieces along the sequence is refused unless they are token data."""
@@ -308,8 +309,7 @@ def cat(a, node: fx.Node) -> Layout:
     if dim in dims:
         inserted = _inserted_tokens(a, node, operands, dim)
         if inserted is not None:
-            a.plan.insertions[node] = inserted
-            return shard(dim)
+            return decide(shard(dim), inserted)
         return a.mixes(
             node, "concatenates along the sequence", shard(*dims), "Concatenate in the data pipeline"
         )
@@ -357,8 +357,22 @@ def _one_piece_holds_every_token(node: fx.Node, dim: int) -> bool:
     return len(sizes) == len(pieces) and sum(empty) == len(pieces) - 1
 
 
+@handles_split
 def stack(a, node: fx.Node) -> Layout:
+    """stack: a new dim; values split along a dim (a chunked scan's chunks, on the whole sequence for a
+    block of channels) stay split along it."""
     tensors = tensor_nodes([arg(node, 0, "tensors")])
+    dim = normalize_dims(arg(node, 1, "dim", 0), ndim(node))[0]
+    split_side = [t for t in tensors if a.layout(t).is_split]
+    if split_side:
+        to_out = {d: (d if d < dim else d + 1) for d in range(ndim(node) - 1)}
+        joined = align(
+            a, [Operand(t, to_out) for t in tensors], to_out[a.layout(split_side[0]).split], ndim(node)
+        )
+        if joined is not None:
+            return joined
+        for tensor in split_side:
+            a.sequence_home(tensor)
     layouts = [a.layout(t) for t in tensors]
     if all(layout == PARTIAL for layout in layouts):
         return PARTIAL
@@ -367,7 +381,6 @@ def stack(a, node: fx.Node) -> Layout:
     layouts = [REPLICATE if layout == PARTIAL else layout for layout in layouts]
     if len(set(layouts)) > 1:
         return a.refuse(node, "stacks values of different sequence layouts", "Stack like with like")
-    dim = normalize_dims(arg(node, 1, "dim", 0), ndim(node))[0]
     return layouts[0].mapped({d: (d if d < dim else d + 1) for d in range(ndim(node) - 1)})
 
 
@@ -420,7 +433,7 @@ def like(a, node: fx.Node) -> Layout:
     return REPLICATE if layout == PARTIAL else layout
 
 
-def arange(a, node: fx.Node) -> Layout:
+def arange(a, node: fx.Node) -> Decided:
     a.shape_use(*node.args, *[v for k, v in node.kwargs.items() if k in ("start", "end", "step")])
     row_numbers = dispatch.local_arange(a, node)
     if row_numbers is not None:
@@ -438,8 +451,7 @@ def arange(a, node: fx.Node) -> Layout:
             f"arange({values}) over the sequence length with a step, or a start that is not a constant",
             "Use arange(T) or arange(c, T + c) for positions (the pass makes them this rank's positions)",
         )
-    a.plan.positions.append(node)
-    return shard(0)
+    return decide(shard(0), "positions")
 
 
 def value_of_sizes(a, node: fx.Node) -> Layout:
