@@ -214,6 +214,11 @@ class SequenceShard:
             return start, length
         return start, min(self.offset + self.local_len, length)
 
+    def take(self, tensor: Tensor, dim: int) -> Tensor:
+        """This rank's slice of ``tensor``, which holds the whole sequence along ``dim``."""
+        pieces = [tensor.narrow(dim, start, end - start) for start, end in self.ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
     def _require_contiguous(self, what: str) -> None:
         if not self.is_contiguous:
             raise RuntimeError(
@@ -315,8 +320,11 @@ def shard_batch(
     ring_degree: int = 1,
     ring_layout: RingLayout = "zigzag",
     on_shard: Callable[[Tensor, int], None] | None = None,
+    whole: bool = False,
 ) -> tuple[Any, SequenceShard]:
-    """Keep this rank's slice of every tensor that carries the sequence.
+    """Keep this rank's slice of every tensor that carries the sequence (``whole``: keep the tensors whole
+    for the compiled step to cut, Note [Tracing at the whole sequence's length] in
+    ``compiler/whole_sequence.py``).
 
     A tensor carries the sequence along the dim :func:`sequence_dim` finds: ``seq_dim`` when it has the
     global sequence length (the length of ``input_ids``, or of ``sequence_keys``), else the one later dim
@@ -333,8 +341,7 @@ def shard_batch(
         dim = sequence_dim(tensor, seq_dim, global_len)
         if dim is None:
             return tensor
-        pieces = [tensor.narrow(dim, start, end - start) for start, end in shard.ranges]
-        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        local = tensor if whole else shard.take(tensor, dim)
         if on_shard is not None:
             on_shard(local, dim)
         return local

@@ -21,6 +21,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_autosp.data import RING_LAYOUTS
+
 # Set by the strategy itself (DDPStrategy passes module and device_ids to DistributedDataParallel).
 _SET_BY_THE_STRATEGY = {"self", "module", "device_ids"}
 _DDP_STRATEGY_HOOKS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -81,6 +83,8 @@ def check_strategy_arguments(
     gather_predictions: object,
     process_group_backend: object,
     start_method: object,
+    ring_layout: object,
+    trace_length: object,
     parallel_devices: object,
     plugins: Mapping[str, object],
     ddp_kwargs: Mapping[str, Any],
@@ -97,6 +101,13 @@ def check_strategy_arguments(
         suggestion = [sequence_keys] if isinstance(sequence_keys, str) else ["input_ids"]
         raise TypeError(
             f"sequence_keys={sequence_keys!r} must be a list of batch keys: sequence_keys={suggestion!r}."
+        )
+    if ring_layout not in RING_LAYOUTS:
+        raise ValueError(f"ring_layout={ring_layout!r} is not supported; use one of {RING_LAYOUTS}.")
+    if trace_length not in ("shard", "whole"):
+        raise ValueError(
+            f"trace_length={trace_length!r} is not supported; use 'shard' (trace the steps at this rank's "
+            "length) or 'whole' (at the whole sequence's, for Python that computes with the length)."
         )
     if not isinstance(save_distributed_checkpoint, bool):
         raise TypeError(f"save_distributed_checkpoint={save_distributed_checkpoint!r} must be True or False.")

@@ -38,9 +38,8 @@ from lightning_autosp.compiler.backend import (
     check_backend_options,
 )
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
-from lightning_autosp.compiler.prove.layout import shard as shard_layout
-from lightning_autosp.data import RING_LAYOUTS, RingLayout, SequenceShard, gather_sequence, shard_batch
+from lightning_autosp.compiler.prove.layout import SequenceTags
+from lightning_autosp.data import RingLayout, SequenceShard, gather_sequence, shard_batch
 from lightning_autosp.hang_watch import DEFAULT_HANG_TIMEOUT_S, HangWatch, enable_flight_recorder
 from lightning_autosp.mesh import (
     DP,
@@ -102,6 +101,9 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         sequence_keys: batch keys whose length defines the sequence (default: ``input_ids``, else
             the first integer tensor); every tensor with that length along ``seq_dim`` is sharded.
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
+        trace_length: the length Dynamo traces the steps at: "shard" (this rank's; one compile per length
+            class) or "whole" (the sequence's, so Python that computes with the length, a chunked scan or
+            a branch, sees what one device sees; one compile per length). docs/how-it-works.md.
         sac: sequence-aware activation checkpointing: True (recompute all but attention and
             collectives), "auto" (within 10% of the step's FLOPs), "longest" (every layer rebuilds
             attention and its all-to-alls in backward too, keeping only its input), or False.
@@ -149,6 +151,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         seq_dim: int = 1,
         sequence_keys: Sequence[str] | None = None,
         compiler: Compiler = "inductor",
+        trace_length: Literal["shard", "whole"] = "shard",
         sac: bool | Literal["auto", "longest"] = True,
         sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
         activation_budget: int | None = None,
@@ -188,6 +191,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             gather_predictions=gather_predictions,
             process_group_backend=process_group_backend,
             start_method=start_method,
+            ring_layout=ring_layout,
+            trace_length=trace_length,
             parallel_devices=parallel_devices,
             plugins={
                 "accelerator": accelerator,
@@ -216,8 +221,6 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         if sp_size is not None:
             check_positive_sp_size(sp_size)
         check_ulysses_degree_option(ulysses_degree)
-        if ring_layout not in RING_LAYOUTS:
-            raise ValueError(f"ring_layout={ring_layout!r} is not supported; use one of {RING_LAYOUTS}.")
         self._ulysses_option = ulysses_degree
         self._ulysses_degree: int | None = None if ulysses_degree == "auto" else ulysses_degree
         self.ring_layout: RingLayout = ring_layout
@@ -234,6 +237,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self.seq_dim = seq_dim
         self.sequence_keys = tuple(sequence_keys) if sequence_keys else None
         self.compiler: Compiler = compiler
+        self.trace_length = trace_length
         self.sac = sac
         self.sequence_shard: SequenceShard | None = None
         self._device_mesh: DeviceMesh | None = None
@@ -398,11 +402,10 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             ring_degree=self.ring_degree,
             ring_layout=self.ring_layout,
             on_shard=lambda tensor, dim: sharded.append((tensor, dim)),
+            whole=self.trace_length == "whole",
         )  # raises the length rule (data.check_sequence_length) alike on every rank: the samples agree
         # The compiler reads which tensors hold sequence shards from these tags, not from their sizes.
-        self._sequence_tags.mark_batch(batch, [t for t, _ in sharded], self.seq_dim, shard.global_len)
-        for tensor, dim in sharded:  # the sequence may sit on a later dim (data.sequence_dim)
-            self._sequence_tags.mark(tensor, Tag(shard_layout(dim), (shard.global_len,)))
+        self._sequence_tags.mark_batch(batch, sharded, shard.global_len, whole=self.trace_length == "whole")
         self.sequence_shard = shard
         return batch
 

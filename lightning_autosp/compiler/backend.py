@@ -25,6 +25,7 @@ from lightning_autosp.compiler.prove.layout import SequenceTags, Tag, shard
 from lightning_autosp.compiler.runtime.agreement import Outcome, agree, gather, graph_signature
 from lightning_autosp.compiler.sp_pass import SPReport, sequence_parallel_pass
 from lightning_autosp.compiler.symbols import graph_shape_env
+from lightning_autosp.compiler.whole_sequence import local_example_inputs, taking_shards
 
 Compiler = Literal["inductor", "aot_eager"]
 
@@ -186,6 +187,9 @@ class AutoSPBackend:
             agree(Outcome(graph_signature(gm, rewrites, self.context.group_roles)), self.context.group_name)
             self.reports.append(report)
             output_tags = report.output_tags
+        whole = report.whole if self.context is not None else None
+        if whole is not None:  # Note [Tracing at the whole sequence's length]: compiled at this rank's
+            example_inputs = local_example_inputs(example_inputs, whole, self.context.shard)
         if self.chunked_loss:  # after SP: it chunks the loss of this rank's tokens
             self.loss_reports.append(ChunkedLossReport())
             chunked_loss_pass(gm, self.loss_reports[-1], chunk_tokens=self.loss_chunk_tokens)
@@ -204,6 +208,8 @@ class AutoSPBackend:
             compiled = aot_autograd(
                 fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, partition_fn=self.partitioner
             )(gm, example_inputs)
+        if whole is not None:
+            compiled = taking_shards(compiled, whole, self.context.shard)
         if self.context is not None:
             share_length_guards(report, graph_shape_env(gm, example_inputs), self.context.group_name)
         if self.context is None or not any(output_tags):

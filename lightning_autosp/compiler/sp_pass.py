@@ -44,6 +44,7 @@ from lightning_autosp.compiler.prove.layout import SequenceTags, Tag
 from lightning_autosp.compiler.prove.normalize import normalize_pass
 from lightning_autosp.compiler.prove.plan import AttentionCall
 from lightning_autosp.compiler.prove.preconditions import check_lowering
+from lightning_autosp.compiler.whole_sequence import WholeLengths, local_example_inputs, whole_lengths
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class SPReport:
     # Per output tag, its global sizes in the shard symbols (None: fixed), which the tags handed to the
     # next graph and to metrics take at each run's length; output_tags hold them at the traced length.
     output_tag_sizes: list[tuple[sympy.Expr, ...] | None] = field(default_factory=list)
+    # Inputs holding the whole sequence, which the compiled graph cuts on entry (whole_sequence.py)
+    whole: WholeLengths | None = None
 
     def lines(self) -> list[str]:
         out = [*self.normalized]
@@ -103,6 +106,11 @@ class SPReport:
         return out
 
 
+# Why a graph traced at the whole length serves that length only (Note [Tracing at the whole sequence's
+# length] in whole_sequence.py).
+WHOLE_LENGTH = "traced at the whole sequence's length, its program is compiled at this rank's"
+
+
 def sequence_parallel_pass(
     gm: fx.GraphModule,
     example_inputs: Sequence[object],
@@ -127,7 +135,8 @@ def sequence_parallel_pass(
     if check_guards:
         analysis.check_guards(shape_env, traced_guards)
     analysis.raise_refusals()
-    every_length = _every_length(analysis, ctx, shape_env)
+    report.whole = whole_lengths(analysis.input_tags, example_inputs)
+    every_length = _every_length(analysis, ctx, shape_env) if report.whole is None else WHOLE_LENGTH
     if not isinstance(every_length, tuple):  # why it serves one length, or None: it has none
         report.one_length = every_length or ""
         _specialize(gm, analysis)
@@ -174,6 +183,8 @@ def sequence_parallel_pass(
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
     gm.recompile()
+    if report.whole is not None:  # Note [Tracing at the whole sequence's length]
+        example_inputs = local_example_inputs(example_inputs, report.whole, ctx.shard)
     _refresh_fake_values(gm, example_inputs)
     return gm, report
 

@@ -217,6 +217,7 @@ CASES = {
 # Training steps as users write them (tests/distributed/user_modules.py, issue 14): exact, or refused
 # with the same error on every rank. Odd lengths give uneven shards; the defaults (Inductor + SAC) too.
 INDUCTOR = {"compiler": "inductor"}
+WHOLE = {"trace_length": "whole"}
 NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
 CASES.update(
     {
@@ -241,6 +242,13 @@ CASES.update(
             SequenceIdiomGPT, {"idiom": "conv_over_sequence"}, seq_len=25, strategy_kwargs=INDUCTOR
         ),
         "idiom_refused_branch_on_length": Case(SequenceIdiomGPT, {"idiom": "branch_on_length"}),
+        # Note [Tracing at the whole sequence's length]: Python on the length sees the whole sequence
+        "idiom_branch_on_length_whole": Case(
+            SequenceIdiomGPT, {"idiom": "branch_on_length"}, strategy_kwargs={**WHOLE, **INDUCTOR}
+        ),
+        "idiom_chunked_scan_whole": Case(
+            SequenceIdiomGPT, {"idiom": "chunked_scan"}, seq_len=25, strategy_kwargs={**WHOLE, **INDUCTOR}
+        ),
         "idiom_multimodal_position_ids": Case(
             MultimodalQwen,
             seq_len=25,

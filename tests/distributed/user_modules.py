@@ -296,6 +296,21 @@ class LitGPTModule(_SGD):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
+def chunked_running_sum(x: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """A running sum over the sequence, computed chunk by chunk in a Python loop over the chunk count of the
+    sequence padded to whole chunks: how the torch paths of hybrids' scans (Qwen3-Next's gated delta rule)
+    compute, with their Python reading the length."""
+    batch, length, dim = x.shape
+    x = F.pad(x, (0, 0, 0, (chunk - length % chunk) % chunk))
+    chunks = x.view(batch, -1, chunk, dim)
+    state, outputs = x.new_zeros(batch, dim), []
+    for i in range(chunks.size(1)):
+        running = chunks[:, i].cumsum(1) + state[:, None]
+        outputs.append(running)
+        state = running[:, -1]
+    return torch.stack(outputs, 1).view(batch, -1, dim)[:, :length]
+
+
 class SequenceIdiomGPT(_SGD):
     """The tests' GPT with one idiom that mixes tokens outside attention.
 
@@ -304,8 +319,9 @@ class SequenceIdiomGPT(_SGD):
     ``pool_last_token`` a loss on the last position (which lives on one rank); ``conv_over_sequence`` a full
     (not grouped) causal convolution over the sequence (a window with the previous rank's last positions);
     ``insert_token`` a learned token inserted into the sequence (it grows by one, every shard shifts).
-    Refused, naming this file's line: ``branch_on_length`` a Python branch on the length that the shard and
-    the whole sequence take differently.
+    Refused when traced at the shard's length, naming this file's line, and exact at the whole sequence's
+    (``trace_length="whole"``): ``branch_on_length`` a Python branch on the length that the shard and the
+    whole sequence take differently; ``chunked_scan`` a running sum chunk by chunk in a Python loop.
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:
@@ -328,11 +344,13 @@ class SequenceIdiomGPT(_SGD):
         elif self.idiom == "sort_over_sequence":
             x = x.sort(dim=1).values
         elif self.idiom == "branch_on_length" and ids.size(1) > 16:
-            x = 2 * x
+            x = x.cumsum(dim=1)
         elif self.idiom == "conv_over_sequence":
             x = self.conv(x.transpose(1, 2))[..., : ids.size(1)].transpose(1, 2)
         elif self.idiom == "cumsum_of_activations":
             x = x.cumsum(dim=1)
+        elif self.idiom == "chunked_scan":
+            x = chunked_running_sum(x)
         elif self.idiom == "insert_token":
             x = torch.cat([self.start.expand(x.size(0), 1, -1), x], dim=1)[:, 1:]
         logits = self.head(x)

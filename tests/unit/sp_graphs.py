@@ -28,6 +28,7 @@ from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.prove.layout import REPLICATE, SequenceTags, Tag
 from lightning_autosp.compiler.prove.layout import shard as layout_shard
 from lightning_autosp.compiler.sp_pass import SPContext, SPReport, sequence_parallel_pass
+from lightning_autosp.compiler.whole_sequence import taking_shards
 from lightning_autosp.data import SequenceShard, shard_batch
 from tests.distributed.modules import VOCAB, GPTModule, LlamaModule, TokenizedLlamaModule
 
@@ -105,17 +106,20 @@ def capture(fn: Callable, *args: Any) -> Captured:
 
 
 def shard(
-    batch: dict, world: int, rank: int, tags: SequenceTags, **kwargs: Any
+    batch: dict, world: int, rank: int, tags: SequenceTags, whole: bool = False, **kwargs: Any
 ) -> tuple[dict, SequenceShard]:
-    """``shard_batch`` and tag the result as the strategy does."""
+    """``shard_batch`` and tag the result as the strategy does (``whole``: as with trace_length="whole")."""
     sharded: list[tuple[torch.Tensor, int]] = []
     local, sequence_shard = shard_batch(
-        batch, world=world, rank=rank, on_shard=lambda tensor, dim: sharded.append((tensor, dim)), **kwargs
+        batch,
+        world=world,
+        rank=rank,
+        on_shard=lambda tensor, dim: sharded.append((tensor, dim)),
+        whole=whole,
+        **kwargs,
     )
-    global_len = sequence_shard.global_len
-    tags.mark_batch(local, [tensor for tensor, _ in sharded], kwargs.get("seq_dim", 1), global_len)
-    for tensor, dim in sharded:  # the sequence may sit on a later dim (data.sequence_dim)
-        tags.mark(tensor, Tag(layout_shard(dim), (global_len,)))
+    # the sequence may sit on a later dim (data.sequence_dim)
+    tags.mark_batch(local, sharded, sequence_shard.global_len, whole=whole)
     return local, sequence_shard
 
 
@@ -418,9 +422,10 @@ class Simulated:
 
 
 def simulate_step(
-    lightning_module: torch.nn.Module, batch: dict, world: int, **shard_kwargs: Any
+    lightning_module: torch.nn.Module, batch: dict, world: int, whole: bool = False, **shard_kwargs: Any
 ) -> Simulated:
-    """Rewrite ``lightning_module.training_step(batch)`` for every rank and run the ranks in threads.
+    """Rewrite ``lightning_module.training_step(batch)`` for every rank and run the ranks in threads
+    (``whole``: traced at the whole sequence's length, as with trace_length="whole").
 
     Raises what the SP pass raises (a refusal) on the first rank.
     """
@@ -428,11 +433,12 @@ def simulate_step(
     rewritten = []
     for rank in range(world):
         tags = SequenceTags()
-        local, sequence_shard = shard(batch, world, rank, tags, **shard_kwargs)
+        local, sequence_shard = shard(batch, world, rank, tags, whole, **shard_kwargs)
         captured = capture(step, local)
         context = SPContext(sequence_shard, GROUP, shard_kwargs.get("seq_dim", 1))
         gm, report = sequence_parallel_pass(captured.gm, captured.example_inputs, context, tags)
-        rewritten.append((gm, report, concrete(captured.example_inputs)))
+        runner = gm if report.whole is None else taking_shards(gm, report.whole, sequence_shard)
+        rewritten.append((runner, report, concrete(captured.example_inputs)))
     params = dict(lightning_module.named_parameters())
 
     def rank_fn(rank: int):
@@ -464,6 +470,7 @@ def simulate_compiled_step(
     batch: dict,
     world: int,
     compiler: str = "inductor",
+    whole: bool = False,
     **backend_kwargs: Any,
 ) -> Simulated:
     """As ``simulate_step``, but every rank's graph goes through the whole backend (SP pass, chunked loss,
@@ -476,7 +483,7 @@ def simulate_compiled_step(
     with registered_groups(ThreadedComm(world), SIMULATED_GROUPS):
         for rank in range(world):
             tags = SequenceTags()
-            local, sequence_shard = shard(batch, world, rank, tags)
+            local, sequence_shard = shard(batch, world, rank, tags, whole)
             captured = capture(step, local)
             context = SPContext(sequence_shard, GROUP)
             backend = AutoSPBackend(context, tags=tags, compiler=compiler, **backend_kwargs)

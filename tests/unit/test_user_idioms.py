@@ -54,8 +54,12 @@ EXACT = {
     "insert_token": lambda: SequenceIdiomGPT("insert_token"),
 }
 REFUSED = {
-    "branch_on_length": (None, "branched on the sequence length", "Make the branch independent"),
+    "branch_on_length": (None, "branched on the sequence length", "trace_length='whole'"),
+    "chunked_scan": (None, "branched on the sequence length", "trace_length='whole'"),
 }
+# Python that computes with the length: exact when traced at the whole sequence's length (Note [Tracing at
+# the whole sequence's length] in compiler/whole_sequence.py), refused at the shard's (REFUSED above)
+WHOLE = ["branch_on_length", "chunked_scan"]
 
 
 def batch_of(length: int, ignored_tail: int = 3) -> dict[str, torch.Tensor]:
@@ -76,6 +80,19 @@ def test_idiom_is_exact(idiom: str, length: int) -> None:
     simulated = simulate_step(module, batch, 2)
     assert max(rel_err(rank_loss, loss) for rank_loss in simulated.losses) <= 1e-5
     assert grad_rel_err(simulated.grads, grads) <= 1e-4
+
+
+@pytest.mark.parametrize("length", [13, 24, 25])
+@pytest.mark.parametrize("idiom", WHOLE)
+def test_python_on_the_length_is_exact_traced_whole(idiom: str, length: int) -> None:
+    torch.manual_seed(0)
+    module = SequenceIdiomGPT(idiom)
+    batch = batch_of(length)
+    loss, grads = single_device(module, batch)
+    simulated = simulate_step(module, batch, 2, whole=True)
+    assert max(rel_err(rank_loss, loss) for rank_loss in simulated.losses) <= 1e-5
+    assert grad_rel_err(simulated.grads, grads) <= 1e-4
+    assert all("whole sequence's length" in report.one_length for report in simulated.reports)
 
 
 @pytest.mark.parametrize("idiom", list(REFUSED))

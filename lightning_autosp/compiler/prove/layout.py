@@ -130,10 +130,13 @@ def split(
 
 @dataclass(frozen=True)
 class Tag:
-    """A tensor's layout between graphs, with the global size of each of its sequence dims."""
+    """A tensor's layout between graphs, with the global size of each of its sequence dims. ``whole``: the
+    tensor holds the whole sequence, and the compiled graph takes this rank's part of it on entry
+    (Note [Tracing at the whole sequence's length] in ``backend.py``)."""
 
     layout: Layout
     global_sizes: tuple[int, ...] = ()
+    whole: bool = False
 
 
 def _same_view(view: torch.Tensor, base: torch.Tensor) -> bool:
@@ -175,13 +178,16 @@ class SequenceTags:
             tag = self._tags.get(base)
         return tag
 
-    def mark_batch(self, batch: object, sharded: list[torch.Tensor], seq_dim: int, global_len: int) -> None:
-        """Tag a batch's tensors: ``sharded`` hold this rank's slice of ``global_len`` tokens along
-        ``seq_dim``; every other tensor is replicated (the same on every rank of the sp group)."""
+    def mark_batch(
+        self, batch: object, sharded: list[tuple[torch.Tensor, int]], global_len: int, whole: bool = False
+    ) -> None:
+        """Tag a batch's tensors: ``sharded`` (tensor, sequence dim) hold this rank's slice of ``global_len``
+        tokens along that dim (or all of them, ``whole``, for the compiled step to cut); every other
+        tensor is replicated (the same on every rank of the sp group)."""
         from lightning.fabric.utilities.apply_func import apply_to_collection
 
-        for tensor in sharded:
-            self.mark(tensor, Tag(shard(seq_dim), (global_len,)))
-        shards = set(sharded)  # tensors hash by identity
+        for tensor, dim in sharded:
+            self.mark(tensor, Tag(shard(dim), (global_len,), whole))
+        shards = {tensor for tensor, _ in sharded}  # tensors hash by identity
         replicated = lambda t: None if t in shards else self.mark(t, Tag(REPLICATE))  # noqa: E731
         apply_to_collection(batch, torch.Tensor, replicated)
