@@ -322,6 +322,8 @@ class SequenceIdiomGPT(_SGD):
     Refused when traced at the shard's length, naming this file's line, and exact at the whole sequence's
     (``trace_length="whole"``): ``branch_on_length`` a Python branch on the length that the shard and the
     whole sequence take differently; ``chunked_scan`` a running sum chunk by chunk in a Python loop.
+    ``every_other_token``: aten's ``slice`` with step 2 along the sequence, on the whole sequence for a block
+    of channels.
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:
@@ -351,6 +353,8 @@ class SequenceIdiomGPT(_SGD):
             x = x.cumsum(dim=1)
         elif self.idiom == "chunked_scan":
             x = chunked_running_sum(x)
+        elif self.idiom == "every_other_token":  # aten's slice with a step, as torch's own scans write it
+            x = x + torch.ops.aten.slice.Tensor(x, 1, 0, None, 2).mean(dim=1, keepdim=True)
         elif self.idiom == "insert_token":
             x = torch.cat([self.start.expand(x.size(0), 1, -1), x], dim=1)[:, 1:]
         logits = self.head(x)

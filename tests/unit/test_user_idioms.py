@@ -52,6 +52,8 @@ EXACT = {
     "conv_over_sequence": lambda: SequenceIdiomGPT("conv_over_sequence"),
     # a learned token joined before the sequence: every position moves one rank boundary's worth
     "insert_token": lambda: SequenceIdiomGPT("insert_token"),
+    # aten.slice with a step along the sequence (once taken as a plain slice): moved to a block of channels
+    "every_other_token": lambda: SequenceIdiomGPT("every_other_token"),
 }
 REFUSED = {
     "branch_on_length": (None, "branched on the sequence length", "trace_length='whole'"),

@@ -100,11 +100,15 @@ def _bounds(
     def number(value: object) -> int | None:
         return None if value is None else analysis.global_value(analysis.size_expr(value))
 
-    if op_name(node) in ("narrow", "slice"):
+    if op_name(node) == "narrow":
         start = number(args[2] if len(args) > 2 else kwargs["start"])
         length = number(args[3] if len(args) > 3 else kwargs["length"])
         start = start % in_len if start < 0 else start
         return start, start + length
+    if op_name(node) == "slice":  # aten's (x, dim, start, end, step): step 1, the rule saw to it
+        start = number(args[2] if len(args) > 2 else kwargs.get("start"))
+        end = number(args[3] if len(args) > 3 else kwargs.get("end"))
+        return _clamped(start, 0, in_len), _clamped(end, in_len, in_len)
     item = _index_item(args[1], meta_value(args[0]).dim(), dim)
     return _clamped(number(item.start), 0, in_len), _clamped(number(item.stop), in_len, in_len)
 

@@ -10,7 +10,7 @@ from torch import fx
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import flatten, meta_value
-from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout
+from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout, split
 
 SDPA_SIGNATURE = inspect.signature(
     lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: (
@@ -110,3 +110,14 @@ def holds_tokens(a, expr: object) -> bool:
     (symbol,) = symbols.symbols_of(expr) & set(a.lengths) or {None}
     scale, rest = symbols.affine(expr, symbol) if symbol is not None else (None, 0)
     return bool(scale) and rest % scale == 0
+
+
+def restore_sequence_dims(a, node: fx.Node, layout: Layout) -> Layout:
+    """``layout`` of a value on the whole sequence (split), with every dim as long as the sequence counted
+    among its sequence dims: its row t is position t, which is all a sequence dim's layout says (Note
+    [Sequence layouts]), so it can go back to sequence shards (a chunked scan's output cut back to the
+    length, ``y[:, :S]``)."""
+    restored = {d for d, size in enumerate(a.shape(node) or ()) if size in a.lengths} - {layout.split}
+    if not layout.is_split or restored <= set(layout.dims):
+        return layout
+    return split(layout.split, *(set(layout.dims) | restored), flat=layout.flat, chunks=layout.chunks)

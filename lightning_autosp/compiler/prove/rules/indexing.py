@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from lightning_autosp.compiler.fx_utils import index_items, meta_value
-from lightning_autosp.compiler.prove.layout import PARTIAL, REFUSED, REPLICATE, Layout, shard, split
+from lightning_autosp.compiler.fx_utils import index_items, meta_value, op_name
+from lightning_autosp.compiler.prove.layout import PARTIAL, REFUSED, REPLICATE, Layout, shard
 from lightning_autosp.compiler.prove.plan import Decided, decide
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import (
@@ -21,10 +21,11 @@ from lightning_autosp.compiler.prove.rules.common import (
     arg,
     ndim,
     normalize_dims,
+    restore_sequence_dims,
     sequence_dims_of_output,
     tensor_nodes,
 )
-from lightning_autosp.compiler.prove.rules.split import handles_split
+from lightning_autosp.compiler.prove.rules.split import handles_split, to_whole_sequence
 
 
 @dispatch.handles_local_order
@@ -102,13 +103,7 @@ def _getitem_of_split(a, node: fx.Node, items: list, tensor_items: list) -> Deci
         if a.sequence_home(source) == REFUSED:  # no way back to shards: the refusal says why
             return REFUSED
         return getitem(a, node)
-    out = layout.mapped(where)
-    # A dim cut back to the sequence's length (a chunked scan's padded output, ``y[:, :S]``) is the
-    # sequence: its row t is position t, which is all a sequence dim's layout says (Note [Sequence layouts]).
-    restored = {d for d, size in enumerate(a.shape(node) or ()) if size in a.lengths} - {out.split}
-    if out.is_split and not restored <= set(out.dims):
-        return split(out.split, *(set(out.dims) | restored), flat=out.flat, chunks=out.chunks)
-    return out
+    return restore_sequence_dims(a, node, layout.mapped(where))
 
 
 def _basic_index(items: list) -> tuple[dict[int, int | None], list[tuple[int, object]], int]:
@@ -185,6 +180,7 @@ def _advanced_index(a, node: fx.Node, items: list, tensor_items: list[fx.Node]) 
     return shard(*dims, flat=tuple(flat))
 
 
+@handles_split
 def narrow(a, node: fx.Node) -> Decided:
     a.shape_use(*node.args[1:], *node.kwargs.values())
     source, rank = node.args[0], ndim(node.args[0])
@@ -192,11 +188,26 @@ def narrow(a, node: fx.Node) -> Decided:
     if layout == PARTIAL:
         return PARTIAL
     dim = normalize_dims(arg(node, 1, "dim"), rank)[0]
+    if layout.is_split and dim != layout.split:  # the sequence is whole: cut as written, at its length
+        cut = Layout(
+            "split",
+            tuple(d for d in layout.dims if d != dim),
+            tuple(d for d in layout.flat if d != dim),
+            layout.split,
+            tuple(pair for pair in layout.chunks if dim not in pair),
+        )
+        return restore_sequence_dims(a, node, cut)  # the cut dim is the sequence again if as long
+    if layout.is_split:
+        layout = a.sequence_home(source)
     if layout == REPLICATE and a.has_sequence_symbol(a.size_expr(arg(node, 3, "length"))):
         return _table_slice(a, node, slice(arg(node, 2, "start"), None), dim)
     if dim in layout.dims:
         if dim in layout.flat or layout.kind != "shard" or layout.is_pairwise:
             return a.mixes(node, "narrows a flattened or pairwise sequence dim", layout, INDEX_FIX)
+        if op_name(node) == "slice" and arg(node, 4, "step", 1) not in (None, 1):
+            if to_whole_sequence(a, source):  # every other token: on the whole sequence for a block
+                return narrow(a, node)
+            return a.mixes(node, "takes a strided slice", layout, "Use step 1 along the sequence")
         return decide(layout, "slices")
     return layout
 

@@ -25,7 +25,12 @@ from lightning_autosp.compiler.prove.rules.common import (
     sequence_dims_of_output,
     tensor_nodes,
 )
-from lightning_autosp.compiler.prove.rules.split import Operand, align, handles_split, split_along
+from lightning_autosp.compiler.prove.rules.split import (
+    Operand,
+    align,
+    handles_split,
+    split_along,
+)
 
 # --------------------------------------------------------------------------------------------------
 # views

@@ -136,6 +136,18 @@ def split_along(a, node: fx.Node, dim: int) -> bool:
     return True
 
 
+def to_whole_sequence(a, node: fx.Node, keep: Sequence[int] = ()) -> bool:
+    """Move a sequence shard to the whole sequence for a block of one of its other dims (not ``keep``; the
+    batch last), for an op that reads it along the sequence; whether it could go."""
+    layout = a.layout(node)
+    if layout.kind != "shard" or node in a.token_data:
+        return False
+    candidates = [d for d in range(_rank(node)) if d not in layout.dims and d not in keep]
+    return any(
+        split_along(a, node, d) for d in [d for d in candidates if d != 0] + [d for d in candidates if d == 0]
+    )
+
+
 def split_operands(a, operands: Sequence[Operand]) -> list[Operand]:
     return [operand for operand in operands if a.layout(operand.node).is_split]
 
