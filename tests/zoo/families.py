@@ -45,6 +45,15 @@ class Family:
     classes: int = 0  # > 0: a classifier, its batch carries one label per sample
     images: bool = False  # its batch carries an image per sample and placeholders across the shard cut
     config: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # AutoSPStrategy options beyond the zoo's
+    # its (even, odd) lengths where the zoo's are too short for what it does (whole chunks of a scan)
+    lengths: tuple[int, int] | None = None
+
+    def length(self, zoo_length: int) -> int:
+        """The length this family runs at in place of one of the zoo's (EVEN_LENGTH or ODD_LENGTH)."""
+        if self.lengths is None or zoo_length not in (EVEN_LENGTH, ODD_LENGTH):
+            return zoo_length
+        return self.lengths[zoo_length == ODD_LENGTH]
 
 
 NO_GPT2_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -229,13 +238,20 @@ FAMILIES: dict[str, Family] = {
             moe_intermediate_size=16,
             shared_expert_intermediate_size=16,
         ),
-        "hybrid: gated delta rule over chunks of 64 (torch path), gated attention, experts",
-        refusal="assigns into a tensor by index",  # its loop over chunks of the sequence (issue 49)
+        "hybrid: gated delta rule over chunks of 64 (torch path), gated attention, experts; "
+        "`trace_length='whole'`, 130 / 131 tokens",
+        # its Python loops over the chunks of the whole sequence (issue 49), of which 3 at these lengths
+        options={"trace_length": "whole"},
+        lengths=(130, 131),
     ),
     "qwen3_5_text": Family(
         hf("qwen3_5_text", **GATED_DELTA),
-        "hybrid: Qwen3.5's text model, gated delta rule and gated attention",
-        refusal="assigns into a tensor by index",  # its loop over chunks of the sequence (issue 49)
+        "hybrid: Qwen3.5's text model, gated delta rule and gated attention; `trace_length='whole'`",
+        # its gated norm's [B * S * H, D] rows, the heads flattened after the sequence, viewed back to
+        # [B, S, H * D]: views that un-flatten a dim after the sequence have no rule yet (issue 49)
+        refusal="in a way that mixes it with another dim",
+        options={"trace_length": "whole"},
+        lengths=(130, 131),
     ),
     "jamba": Family(
         hf(
@@ -251,8 +267,10 @@ FAMILIES: dict[str, Family] = {
             mamba_expand=1,
             mamba_dt_rank=4,
         ),
-        "hybrid: Mamba selective scan (torch path), attention, experts",
-        refusal="branched on the sequence length",  # the scan's recursion follows the length (issue 49)
+        "hybrid: Mamba selective scan (torch path), attention, experts; `trace_length='whole'`",
+        # its scan recurses on the length through vmap's batching internals, which have no rule (issue 49)
+        refusal="no rule says how this op treats the sequence dim",
+        options={"trace_length": "whole"},
     ),
     "granitemoehybrid": Family(
         hf(

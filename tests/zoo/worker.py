@@ -86,6 +86,7 @@ def run_one(family: Family, length: int, compiler: str, accelerator: str, sp_pas
                 compiler=compiler,
                 sac=True,
                 timeout=ZOO_TIMEOUT_S,
+                **family.options,
             )
         except Exception as error:  # verify itself failed (not the SP run): recorded, the others go on
             record.update(verdict="error", errors=[f"{type(error).__name__}: {error}"])
@@ -148,9 +149,9 @@ def main() -> None:
     families: dict[str, dict] = {}
     for name in args.families:
         family = FAMILIES[name]
-        plan = [(length, "aot_eager") for length in args.lengths]
+        plan = [(family.length(length), "aot_eager") for length in args.lengths]
         if family.inductor and not args.no_inductor:
-            plan.append((ODD_LENGTH, "inductor"))
+            plan.append((family.length(ODD_LENGTH), "inductor"))
         runs = [run_one(family, length, compiler, args.accelerator) for length, compiler in plan]
         families[name] = {"exercises": family.exercises, "expected_refusal": family.refusal, "runs": runs}
     control = None
