@@ -104,10 +104,11 @@ def check_strategy_arguments(
         )
     if ring_layout not in RING_LAYOUTS:
         raise ValueError(f"ring_layout={ring_layout!r} is not supported; use one of {RING_LAYOUTS}.")
-    if trace_length not in ("shard", "whole"):
+    if trace_length not in ("auto", "shard", "whole"):
         raise ValueError(
             f"trace_length={trace_length!r} is not supported; use 'shard' (trace the steps at this rank's "
-            "length) or 'whole' (at the whole sequence's, for Python that computes with the length)."
+            "length), 'whole' (at the whole sequence's, for Python that computes with the length) or "
+            "'auto' (the shard's until a step branches on the length)."
         )
     if not isinstance(save_distributed_checkpoint, bool):
         raise TypeError(f"save_distributed_checkpoint={save_distributed_checkpoint!r} must be True or False.")

@@ -26,8 +26,9 @@ from torch._dynamo.utils import counters, guard_failures
 
 from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mode, frames_not_compiled
 from lightning_autosp.compiler.context import SPContext
-from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
-from lightning_autosp.data import LengthClass, SequenceShard
+from lightning_autosp.compiler.prove.layout import SequenceTags
+from lightning_autosp.compiler.prove.plan import LengthBranchRefusal, SequenceParallelRefusal
+from lightning_autosp.data import LengthClass, SequenceShard, shard_batch
 
 # What one compiled graph serves: a length class (every length with the same remainder over the sp
 # ranks, Note [One graph for every length]), one layout (ring layouts, or a step whose rewrites need
@@ -50,6 +51,9 @@ class CompiledSteps:
         make_backend: the backend for a layout's context (None: no sequence parallelism, sp_size=1).
         make_context: this rank's ``SPContext`` for a layout.
         current_shard: the layout of the batch being stepped on (the strategy's, set in ``batch_to_device``).
+        whole_batch: the batch being stepped on, whole and tagged so, once the steps are to be traced at the
+            whole sequence's length from now on (None where they are not: trace_length="shard"); called
+            when a step is refused for a branch on the length.
     """
 
     def __init__(
@@ -57,12 +61,14 @@ class CompiledSteps:
         make_backend: Callable[[SPContext | None], AutoSPBackend],
         make_context: Callable[[SequenceShard], SPContext],
         current_shard: Callable[[], SequenceShard | None],
+        whole_batch: Callable[[], Any] = lambda: None,
     ) -> None:
         self._make_backend, self._make_context, self._current_shard = (
             make_backend,
             make_context,
             current_shard,
         )
+        self._whole_batch = whole_batch
         self._backends: dict[Region, AutoSPBackend] = {}
         self._originals: dict[str, Callable] = {}
         self._compiles: collections.Counter[tuple[str, Region]] = collections.Counter()
@@ -153,16 +159,26 @@ class CompiledSteps:
                 )
             skipped, frames_before = frames_not_compiled(), counters["frames"]["ok"]
             breaks_before = collections.Counter(counters["unimplemented"])
+            whole = None
             with _tracing_settings(), _recompiles_limited(len(compiled)), _collectives_kept_apart():
                 try:
                     output = compiled[region](*args, **kwargs)
                 except FailOnRecompileLimitHit as error:
                     raise RuntimeError(_recompile_limit_message(name, step, region)) from error
                 except BackendCompilerFailed as error:
+                    refusal = error.inner_exception
+                    # Note [Tracing at the whole sequence's length]: every rank got this refusal alike
+                    whole = self._whole_batch() if isinstance(refusal, LengthBranchRefusal) and args else None
                     # The refusal is the message: Dynamo's wrapper and its advice on its own logs are noise.
-                    if isinstance(error.inner_exception, SequenceParallelRefusal):
-                        raise error.inner_exception.with_traceback(None) from None
-                    raise
+                    if whole is None and isinstance(refusal, SequenceParallelRefusal):
+                        raise refusal.with_traceback(None) from None
+                    if whole is None:
+                        raise
+            if whole is not None:
+                rank_zero_info(
+                    f"AutoSP: {name} branches on the sequence length; tracing it at the whole length"
+                )
+                return run(whole, *args[1:], **kwargs)
             if counters["frames"]["ok"] > frames_before:
                 self._count_compile(name, step, region)
                 seconds = time.perf_counter() - started
@@ -351,3 +367,18 @@ def check_sequence_parallel_applied(
             "TORCH_COMPILE_DISABLE or torch.compiler.disable), so sequence parallelism was not applied. "
             "Enable compilation for the step."
         )
+
+
+def shard_and_tag(
+    batch: Any, tags: SequenceTags, whole: bool, **shard_options: Any
+) -> tuple[Any, SequenceShard]:
+    """This rank's slice of ``batch`` (``whole``: all of it, for the compiled step to cut, Note [Tracing at
+    the whole sequence's length]) and its layout, tagged for the compiler, which reads which tensors hold
+    the sequence from the tags, not from their sizes. Raises the length rule (data.check_sequence_length)
+    alike on every rank, before any tensor is sliced: the ranks' samples agree."""
+    sharded: list[tuple[torch.Tensor, int]] = []
+    batch, shard = shard_batch(
+        batch, on_shard=lambda tensor, dim: sharded.append((tensor, dim)), whole=whole, **shard_options
+    )
+    tags.mark_batch(batch, sharded, shard.global_len, whole=whole)
+    return batch, shard

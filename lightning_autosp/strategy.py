@@ -39,7 +39,7 @@ from lightning_autosp.compiler.backend import (
 )
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.prove.layout import SequenceTags
-from lightning_autosp.data import RingLayout, SequenceShard, gather_sequence, shard_batch
+from lightning_autosp.data import RingLayout, SequenceShard, gather_sequence
 from lightning_autosp.hang_watch import DEFAULT_HANG_TIMEOUT_S, HangWatch, enable_flight_recorder
 from lightning_autosp.mesh import (
     DP,
@@ -65,7 +65,7 @@ from lightning_autosp.options import (
 from lightning_autosp.outputs import gather_predictions
 from lightning_autosp.planning import planner
 from lightning_autosp.sample_check import check_same_sample
-from lightning_autosp.steps import CompiledSteps
+from lightning_autosp.steps import CompiledSteps, shard_and_tag
 
 _STEP_CONTEXTS = {
     "training_step": "train_step_context",
@@ -102,8 +102,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             the first integer tensor); every tensor with that length along ``seq_dim`` is sharded.
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
         trace_length: the length Dynamo traces the steps at: "shard" (this rank's; one compile per length
-            class) or "whole" (the sequence's, so Python that computes with the length, a chunked scan or
-            a branch, sees what one device sees; one compile per length). docs/how-it-works.md.
+            class), "whole" (the sequence's: Python on the length, a chunked scan or a branch, sees what
+            one device sees; one compile per length), or "auto": "shard" until a step branches on it.
         sac: sequence-aware activation checkpointing: True (recompute all but attention and
             collectives), "auto" (within 10% of the step's FLOPs), "longest" (every layer rebuilds
             attention and its all-to-alls in backward too, keeping only its input), or False.
@@ -151,7 +151,7 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         seq_dim: int = 1,
         sequence_keys: Sequence[str] | None = None,
         compiler: Compiler = "inductor",
-        trace_length: Literal["shard", "whole"] = "shard",
+        trace_length: Literal["auto", "shard", "whole"] = "auto",
         sac: bool | Literal["auto", "longest"] = True,
         sac_tile_bytes: int | None = DEFAULT_TILE_BYTES,
         activation_budget: int | None = None,
@@ -237,12 +237,12 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
         self.seq_dim = seq_dim
         self.sequence_keys = tuple(sequence_keys) if sequence_keys else None
         self.compiler: Compiler = compiler
-        self.trace_length = trace_length
+        self.trace_length, self._unsharded = trace_length, None
         self.sac = sac
         self.sequence_shard: SequenceShard | None = None
         self._device_mesh: DeviceMesh | None = None
         self._sequence_tags = SequenceTags()
-        self._steps = CompiledSteps(self._backend, self._sp_context, lambda: self.sequence_shard)
+        self._steps = CompiledSteps(self._backend, self._sp_context, lambda: self.sequence_shard, self._whole)
         self._metrics = MetricsOverShards(  # Note [Metrics over sequence shards]
             self._sequence_tags,
             lambda: self.sequence_shard,
@@ -392,22 +392,23 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
                 dp_rank=self.dp_rank,
                 sp_size=self.sp_size,
             )
-        sharded: list[tuple[torch.Tensor, int]] = []
-        batch, shard = shard_batch(
-            batch,
-            world=self.sp_size,
-            rank=self.sp_rank,
-            seq_dim=self.seq_dim,
-            sequence_keys=self.sequence_keys,
-            ring_degree=self.ring_degree,
-            ring_layout=self.ring_layout,
-            on_shard=lambda tensor, dim: sharded.append((tensor, dim)),
-            whole=self.trace_length == "whole",
-        )  # raises the length rule (data.check_sequence_length) alike on every rank: the samples agree
-        # The compiler reads which tensors hold sequence shards from these tags, not from their sizes.
-        self._sequence_tags.mark_batch(batch, sharded, shard.global_len, whole=self.trace_length == "whole")
-        self.sequence_shard = shard
+        self._unsharded = batch if self.trace_length == "auto" else None  # see _whole
+        return self._shard_and_tag(batch, whole=self.trace_length == "whole")
+
+    def _shard_and_tag(self, batch: Any, whole: bool) -> Any:
+        batch, self.sequence_shard = shard_and_tag(
+            batch, self._sequence_tags, whole, world=self.sp_size, rank=self.sp_rank, seq_dim=self.seq_dim,
+            sequence_keys=self.sequence_keys, ring_degree=self.ring_degree, ring_layout=self.ring_layout,
+        )  # fmt: skip
         return batch
+
+    def _whole(self) -> Any:
+        """With trace_length="auto", once a step branched on the length: the batch at hand whole, tagged so,
+        and whole batches from now on (Note [Tracing at the whole sequence's length]). Else None."""
+        if self.trace_length != "auto" or self._unsharded is None:
+            return None
+        self.trace_length = "whole"
+        return self._shard_and_tag(self._unsharded, whole=True)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -5,8 +5,11 @@ Note [Tracing at the whole sequence's length]
     to whole chunks, a loop over them, ``if x.size(1) > n``) is fixed then at the length it saw. Traced
     on a rank's shard, that is the shard's length, and where the model's branches differ at the whole
     sequence's the pass can only refuse (Note [Symbolic sequence lengths] in ``symbols.py``). So the
-    batch may instead enter the compiled step whole (``AutoSPStrategy(trace_length="whole")``): Dynamo
-    traces it at the global length G, and every branch is the one a single device takes.
+    batch may instead enter the compiled step whole: Dynamo traces it at the global length G, and every
+    branch is the one a single device takes. ``AutoSPStrategy(trace_length="whole")`` does so from the
+    first step; the default, ``"auto"``, after a step's shard trace is refused for such a branch
+    (``LengthBranchRefusal``, which every rank raises alike): ``CompiledSteps`` calls the step again
+    with the batch whole, and the strategy hands over whole batches from then on.
 
     The graph is the same kind of object either way: the single-device program as a function of a
     length symbol s, valid where its shape guards hold. The analysis reads every size as an expression

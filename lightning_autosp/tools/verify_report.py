@@ -121,7 +121,7 @@ VERDICTS = {
 }
 # A run that raised something other than the SP pass's refusal (a module Lightning cannot train, a bad
 # option); refusals are NotImplementedErrors, as an unsupported program is.
-REFUSAL_TYPES = ("SequenceParallelRefusal", "NotImplementedError")
+REFUSAL_TYPES = ("SequenceParallelRefusal", "LengthBranchRefusal", "NotImplementedError")
 STOPPED = (
     "STOPPED: the SP run raised the error above before training anything; it is not the SP pass refusing "
     "an op. Fix what it names and verify again."

@@ -241,10 +241,13 @@ CASES.update(
         "idiom_conv_over_sequence": Case(
             SequenceIdiomGPT, {"idiom": "conv_over_sequence"}, seq_len=25, strategy_kwargs=INDUCTOR
         ),
-        "idiom_refused_branch_on_length": Case(SequenceIdiomGPT, {"idiom": "branch_on_length"}),
-        # Note [Tracing at the whole sequence's length]: Python on the length sees the whole sequence
-        "idiom_branch_on_length_whole": Case(
-            SequenceIdiomGPT, {"idiom": "branch_on_length"}, strategy_kwargs={**WHOLE, **INDUCTOR}
+        "idiom_refused_branch_on_length": Case(
+            SequenceIdiomGPT, {"idiom": "branch_on_length"}, strategy_kwargs={"trace_length": "shard"}
+        ),
+        # Note [Tracing at the whole sequence's length]: Python on the length sees the whole sequence, by
+        # default (trace_length="auto" traces again at the whole length after the branch is found)
+        "idiom_branch_on_length_auto": Case(
+            SequenceIdiomGPT, {"idiom": "branch_on_length"}, strategy_kwargs=INDUCTOR
         ),
         "idiom_chunked_scan_whole": Case(
             SequenceIdiomGPT, {"idiom": "chunked_scan"}, seq_len=25, strategy_kwargs={**WHOLE, **INDUCTOR}

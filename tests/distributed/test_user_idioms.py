@@ -29,7 +29,7 @@ EXACT = [
     "idiom_insert_token",  # Inductor + SAC: the sequence one longer, every shard shifted by one
     "idiom_metric_in_training_step",  # a metric's label window beside HF's: once a hang (issue 48)
     "idiom_multimodal_position_ids",  # Qwen2-VL's position_ids [B, 3, S]: sharded along dim 2
-    "idiom_branch_on_length_whole",  # trace_length="whole", Inductor + SAC: the branch one device takes
+    "idiom_branch_on_length_auto",  # Inductor + SAC: traced again at the whole length, one device's branch
     "idiom_chunked_scan_whole",  # trace_length="whole", Inductor + SAC: a Python loop over chunks
 ]
 REFUSED = {

@@ -263,6 +263,8 @@ BAD_ARGUMENTS = [
         r"unknown options \['find_unused_parameter'\].*'find_unused_parameters'",
     ),
     ({"device_ids": [0]}, TypeError, r"unknown options \['device_ids'\]"),
+    ({"trace_length": "global"}, ValueError, r"trace_length='global' is not supported; use 'shard'"),
+    ({"ring_layout": "striped"}, ValueError, r"ring_layout='striped' is not supported"),
 ]
 
 

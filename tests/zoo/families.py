@@ -45,7 +45,6 @@ class Family:
     classes: int = 0  # > 0: a classifier, its batch carries one label per sample
     images: bool = False  # its batch carries an image per sample and placeholders across the shard cut
     config: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)  # AutoSPStrategy options beyond the zoo's
     # its (even, odd) lengths where the zoo's are too short for what it does (whole chunks of a scan)
     lengths: tuple[int, int] | None = None
 
@@ -238,19 +237,17 @@ FAMILIES: dict[str, Family] = {
             moe_intermediate_size=16,
             shared_expert_intermediate_size=16,
         ),
-        "hybrid: gated delta rule over chunks of 64 (torch path), gated attention, experts; "
-        "`trace_length='whole'`, 130 / 131 tokens",
+        "hybrid: gated delta rule over chunks of 64 (torch path), gated attention, experts; traced again at "
+        "the whole length (130 / 131 tokens)",
         # its Python loops over the chunks of the whole sequence (issue 49), of which 3 at these lengths
-        options={"trace_length": "whole"},
         lengths=(130, 131),
     ),
     "qwen3_5_text": Family(
         hf("qwen3_5_text", **GATED_DELTA),
-        "hybrid: Qwen3.5's text model, gated delta rule and gated attention; `trace_length='whole'`",
+        "hybrid: Qwen3.5's text model, gated delta rule and gated attention (traced at the whole length)",
         # its gated norm's [B * S * H, D] rows, the heads flattened after the sequence, viewed back to
         # [B, S, H * D]: views that un-flatten a dim after the sequence have no rule yet (issue 49)
         refusal="in a way that mixes it with another dim",
-        options={"trace_length": "whole"},
         lengths=(130, 131),
     ),
     "jamba": Family(
@@ -267,10 +264,9 @@ FAMILIES: dict[str, Family] = {
             mamba_expand=1,
             mamba_dt_rank=4,
         ),
-        "hybrid: Mamba selective scan (torch path), attention, experts; `trace_length='whole'`",
+        "hybrid: Mamba selective scan (torch path), attention, experts (traced at the whole length)",
         # its scan recurses on the length through vmap's batching internals, which have no rule (issue 49)
         refusal="no rule says how this op treats the sequence dim",
-        options={"trace_length": "whole"},
     ),
     "granitemoehybrid": Family(
         hf(

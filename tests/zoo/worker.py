@@ -86,7 +86,6 @@ def run_one(family: Family, length: int, compiler: str, accelerator: str, sp_pas
                 compiler=compiler,
                 sac=True,
                 timeout=ZOO_TIMEOUT_S,
-                **family.options,
             )
         except Exception as error:  # verify itself failed (not the SP run): recorded, the others go on
             record.update(verdict="error", errors=[f"{type(error).__name__}: {error}"])

@@ -71,6 +71,7 @@ from lightning_autosp.compiler.prove.layout import (
 )
 from lightning_autosp.compiler.prove.plan import (
     Decision,
+    LengthBranchRefusal,
     Plan,
     Redistribution,
     Refusal,
@@ -151,6 +152,7 @@ class Analysis:
                     "Trace the step at the whole sequence's length, AutoSPStrategy(trace_length='whole') "
                     "(one compile per length), or make the branch independent of the length",
                     where=where,
+                    length_branch=True,
                 )
             )
 
@@ -160,7 +162,8 @@ class Analysis:
             # A branch on the length is the cause of whatever else looks wrong at this rank's length.
             ordered = sorted(self.refusals, key=lambda refusal: refusal.node is not None)
             listed = "\n".join(dict.fromkeys(str(refusal) for refusal in ordered))
-            raise SequenceParallelRefusal(
+            branched = any(refusal.length_branch for refusal in self.refusals)
+            raise (LengthBranchRefusal if branched else SequenceParallelRefusal)(
                 "The SP pass cannot prove this training step exact under sequence parallelism, so it refuses "
                 f"to run it (it never trains silently wrong):\n{listed}"
             )

@@ -29,12 +29,19 @@ class SequenceParallelRefusal(NotImplementedError):
     of the step (Note [Ranks agree on their graphs]); a NotImplementedError, as an unsupported program is."""
 
 
+class LengthBranchRefusal(SequenceParallelRefusal):
+    """A refusal caused by the step's Python taking another branch on this rank's length than on the whole
+    sequence's: traced at the whole sequence's length, the step may be exact (``trace_length="auto"``
+    traces it so; Note [Tracing at the whole sequence's length] in ``whole_sequence.py``)."""
+
+
 @dataclass(frozen=True)
 class Refusal:
     node: fx.Node | None
     reason: str
     fix: str
     where: str | None = None  # instead of the node's op and source line
+    length_branch: bool = False  # a branch on this rank's length (LengthBranchRefusal)
 
     def __str__(self) -> str:
         where = self.where or f"{op_name(self.node)} at {source_line(self.node)}"

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import fx
 
 from lightning_autosp.compiler.fx_utils import example_value
-from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
+from lightning_autosp.compiler.prove.plan import LengthBranchRefusal, SequenceParallelRefusal
 from lightning_autosp.compiler.runtime.ops import collective_name, is_collective, process_group
 
 
@@ -115,6 +115,5 @@ def _difference(first: tuple[str, ...], other: tuple[str, ...], rank: int) -> st
 def _error(error_type: str, message: str) -> Exception:
     """The error every rank raises: a configuration error as itself, anything the pass could not prove as a
     refusal (the type steps.py hands to the user without Dynamo's wrapper)."""
-    return {"ValueError": ValueError, "RuntimeError": RuntimeError}.get(error_type, SequenceParallelRefusal)(
-        message
-    )
+    known = {error.__name__: error for error in (ValueError, RuntimeError, LengthBranchRefusal)}
+    return known.get(error_type, SequenceParallelRefusal)(message)
