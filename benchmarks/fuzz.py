@@ -6,7 +6,8 @@ Each case (``benchmarks/fuzz_grammar.py``: embeddings and positions, attention i
 other token mixers, norms, MLPs, pooled or per-token heads, losses; batch 1-3, odd, even and prime lengths,
 sp 2-4) is written out as a module (``benchmarks/fuzz_source.py``), its training step rewritten by the SP
 pass for every rank and run with the ranks as threads (``tests/unit/sp_graphs.py``), and compared with
-the same step on one device. Verdicts:
+the same step on one device. As the strategy's default (``trace_length="auto"``) does, a step refused for
+branching on this rank's length is traced again at the whole sequence's. Verdicts:
 
 - exact: every rank's loss within ``LOSS_TOLERANCE`` (relative) and every gradient within
   ``GRAD_TOLERANCE`` (``benchmarks.common.grad_rel_err``);
@@ -36,6 +37,7 @@ import torch
 from benchmarks.common import grad_rel_err, rel_err
 from benchmarks.fuzz_grammar import DROPPED, ELEMENTS, Spec, sample, shrink_moves
 from benchmarks.fuzz_source import build
+from lightning_autosp.compiler.prove.plan import LengthBranchRefusal
 from tests.unit.sp_graphs import simulate_step, single_device
 
 LOSS_TOLERANCE = 1e-5
@@ -94,7 +96,10 @@ def run_case(spec: Spec, seed: int) -> Outcome:
     module, batch, text = build(spec, seed)
     loss, grads = single_device(module, batch)
     try:
-        simulated = simulate_step(module, batch, spec.sp)
+        try:
+            simulated = simulate_step(module, batch, spec.sp)
+        except LengthBranchRefusal:  # as the default, trace_length="auto", does: traced again whole
+            simulated = simulate_step(module, batch, spec.sp, whole=True)
     except NotImplementedError as refusal:
         reason, first = refusal_class(str(refusal), text)
         return Outcome("refused", reason, first)

@@ -86,6 +86,9 @@ ELEMENTS: dict[str, tuple[str, ...]] = {
     # last, so that a seed draws the elements above as it did before these were added
     "features": ("none", "placeholders", "placeholders_expanded", "per_element"),
     "assign": ("none", "sections"),
+    # the first norm over rows of a flattened view, viewed back: every head's row (Qwen3.5's gated norm,
+    # [B * T * H, DH]) or every token's ([B * T, D])
+    "rows": ("tokens", "head_rows", "flat_tokens"),
 }
 TOKEN_LOSSES = (
     "ce_mean",
@@ -131,6 +134,7 @@ WEIGHTS: dict[str, tuple[float, ...]] = {
     "aux_loss": (4, 1, 1, 1),
     "features": (4, 1, 1, 1),
     "assign": (3, 1),
+    "rows": (4, 1, 1),
 }
 # Each element's choice that leaves it out of the module (shrinking tries these first).
 DROPPED = {
@@ -147,6 +151,7 @@ DROPPED = {
     "pool_spelling": "plain",
     "features": "none",
     "assign": "none",
+    "rows": "tokens",
 }
 MAX_LEN = 40  # lengths stay below it; position tables hold it
 SP_SIZES = (2, 3, 4)

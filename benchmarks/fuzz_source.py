@@ -177,12 +177,30 @@ def _mixer(spec: Spec) -> tuple[list[str], list[str]]:
     return ["self.mix = nn.Linear(D, D)"], [mixes[mixer]]
 
 
+def _rows(rows: str, norm: str | None) -> list[str]:
+    """``h``, the first norm's output, over rows of a flattened view of ``x`` (Note [Views of flattened
+    tokens] in lightning_autosp/compiler/prove/rules/shapes.py)."""
+    if rows == "head_rows":  # every head's row scaled to unit RMS, as Qwen3.5's gated norm does
+        return [
+            "rows = x.view(B, T, H, DH).reshape(-1, DH)",
+            "rows = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6)",
+            f"h = {norm}(rows.reshape(B, T, -1))" if norm else "h = rows.reshape(B, T, -1)",
+        ]
+    if rows == "flat_tokens":
+        return [
+            f"h = {norm}(x.reshape(-1, C)).view(B, T, C)"
+            if norm
+            else "h = x.reshape(-1, C).tanh().view(B, T, C)"
+        ]
+    return [f"h = {norm}(x)" if norm else "h = x"]
+
+
 def _block(spec: Spec) -> list[str]:
     init, forward = ["super().__init__()"], ["B, T, C = x.shape"]
     normed = spec["norm"] != "none"
     if normed:
         init.append(f"self.norm_1 = {_norm(spec)}")
-    forward.append("h = self.norm_1(x)" if normed else "h = x")
+    forward += _rows(spec["rows"], "self.norm_1" if normed else None)
     mixer_init, mixer_forward = _mixer(spec)
     init += mixer_init
     forward += mixer_forward

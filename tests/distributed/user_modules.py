@@ -323,7 +323,10 @@ class SequenceIdiomGPT(_SGD):
     (``trace_length="whole"``): ``branch_on_length`` a Python branch on the length that the shard and the
     whole sequence take differently; ``chunked_scan`` a running sum chunk by chunk in a Python loop.
     ``every_other_token``: aten's ``slice`` with step 2 along the sequence, on the whole sequence for a block
-    of channels.
+    of channels. ``gated_norm_over_heads``: every head's row normed, the tokens flattened between the
+    batch and the heads, then viewed back (exact); ``heads_before_tokens`` views those rows back in another
+    dim order and ``rows_flattened_two_ways`` adds rows flattened in two orders (both refused: Note [Views
+    of flattened tokens]).
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:
@@ -357,6 +360,22 @@ class SequenceIdiomGPT(_SGD):
             x = x + torch.ops.aten.slice.Tensor(x, 1, 0, None, 2).mean(dim=1, keepdim=True)
         elif self.idiom == "insert_token":
             x = torch.cat([self.start.expand(x.size(0), 1, -1), x], dim=1)[:, 1:]
+        elif self.idiom == "gated_norm_over_heads":  # Qwen3.5's gated norm: every head's row, then back
+            rows = x.view(*ids.shape, 4, -1).reshape(-1, x.size(-1) // 4)  # (B * T * 4, C / 4)
+            rows = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(rows)
+            x = rows.reshape(*ids.shape, -1).cumsum(dim=1)
+        elif self.idiom == "heads_before_tokens":  # the rows of tokens-then-heads read as heads-then-tokens
+            rows = x.view(*ids.shape, 4, -1).reshape(-1, x.size(-1) // 4)
+            x = (
+                rows.reshape(4, ids.size(1), -1)
+                .transpose(0, 1)
+                .reshape(ids.size(1), ids.size(0), -1)
+                .transpose(0, 1)
+            )
+        elif self.idiom == "rows_flattened_two_ways":  # (B, T, H) rows plus (B, H, T) rows, index by index
+            heads = x.view(*ids.shape, 4, -1)
+            rows = heads.reshape(-1, x.size(-1) // 4) + heads.transpose(1, 2).reshape(-1, x.size(-1) // 4)
+            x = rows.reshape(*ids.shape, -1)
         logits = self.head(x)
         if self.idiom == "pool_last_token":
             return F.cross_entropy(logits[:, -1], ids[:, 0])

@@ -54,10 +54,14 @@ EXACT = {
     "insert_token": lambda: SequenceIdiomGPT("insert_token"),
     # aten.slice with a step along the sequence (once taken as a plain slice): moved to a block of channels
     "every_other_token": lambda: SequenceIdiomGPT("every_other_token"),
+    # Qwen3.5's gated norm: tokens flattened between the batch and the heads, then viewed back
+    "gated_norm_over_heads": lambda: SequenceIdiomGPT("gated_norm_over_heads"),
 }
 REFUSED = {
     "branch_on_length": (None, "branched on the sequence length", "trace_length='whole'"),
     "chunked_scan": (None, "branched on the sequence length", "trace_length='whole'"),
+    "heads_before_tokens": (None, "in a way that mixes it with another dim", "Keep the sequence dim whole"),
+    "rows_flattened_two_ways": (None, "flattened with different dims", "Flatten both values"),
 }
 # Python that computes with the length: exact when traced at the whole sequence's length (Note [Tracing at
 # the whole sequence's length] in compiler/whole_sequence.py), refused at the shard's (REFUSED above)

@@ -244,10 +244,10 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen3_5_text": Family(
         hf("qwen3_5_text", **GATED_DELTA),
-        "hybrid: Qwen3.5's text model, gated delta rule and gated attention (traced at the whole length)",
-        # its gated norm's [B * S * H, D] rows, the heads flattened after the sequence, viewed back to
-        # [B, S, H * D]: views that un-flatten a dim after the sequence have no rule yet (issue 49)
-        refusal="in a way that mixes it with another dim",
+        "hybrid: Qwen3.5's text model, gated delta rule and gated attention, its gated norm over every "
+        "head's row; traced again at the whole length (130 / 131 tokens)",
+        # its gated norm's [B * S * H, D] rows are viewed back to [B, S, H * D] (Note [Views of flattened
+        # tokens] in compiler/prove/rules/shapes.py)
         lengths=(130, 131),
     ),
     "jamba": Family(

@@ -44,7 +44,11 @@ Kind = Literal[
 class Layout:
     """``dims``: the tensor dims indexed by tokens; ``flat``: those of them that also run over other dims
     (``[B, S_r, V] -> [B * S_r, V]``): per-token ops and reductions work on them, slices do not;
-    ``split``: the dim cut in blocks over the ranks (kind ``"split"`` only)."""
+    ``flat_inner``: (dim, n) for a flat dim whose every token spans n consecutive elements of it (n = H for
+    ``[B, S_r, H, D] -> [B * S_r * H, D]``), where the view that flattened it said so: what a view needs to
+    tell the dims before the sequence from those after it when it un-flattens the dim again (Note [Views of
+    flattened tokens] in ``rules/shapes.py``); ``split``: the dim cut in blocks over the ranks (kind
+    ``"split"`` only)."""
 
     kind: Kind
     dims: tuple[int, ...] = ()
@@ -53,6 +57,8 @@ class Layout:
     # split only: (outer, inner) dims that index the tokens together, the sequence cut into chunks
     chunks: tuple[tuple[int, int], ...] = ()
     order: object = None  # rows / inverse / counts: the sort that ordered this rank's tokens
+    # not part of the layout's identity: two values flattened alike compare equal whether or not it is known
+    flat_inner: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     @property
     def is_shard(self) -> bool:
@@ -84,7 +90,8 @@ class Layout:
             return self
         if self.kind in ("shard", "global") and not dims:
             return REPLICATE
-        return Layout(self.kind, dims, flat)
+        inner = tuple(sorted((where[d], n) for d, n in self.flat_inner if where.get(d) in flat))
+        return Layout(self.kind, dims, flat, flat_inner=inner)
 
     def __str__(self) -> str:
         if self.kind == "split":
@@ -108,8 +115,11 @@ CAUSAL = Layout("causal")
 REFUSED = Layout("refused")
 
 
-def shard(*dims: int, flat: tuple[int, ...] = ()) -> Layout:
-    return Layout("shard", tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
+def shard(*dims: int, flat: tuple[int, ...] = (), flat_inner: tuple[tuple[int, int], ...] = ()) -> Layout:
+    if not dims:
+        return REPLICATE
+    inner = tuple(sorted((d, n) for d, n in flat_inner if d in flat))
+    return Layout("shard", tuple(sorted(dims)), tuple(sorted(flat)), flat_inner=inner)
 
 
 def global_(*dims: int) -> Layout:

@@ -77,12 +77,20 @@ def pointwise(a, node: fx.Node) -> Decided:
                 "between them)",
             )
         return CAUSAL
-    local, whole, flat = set(), set(), set()
+    local, whole, flat, inner = set(), set(), set(), {}
     for tensor, layout in zip(tensors, layouts):
         offset = out_rank - ndim(tensor)
         dims = {d + offset for d in layout.dims}
         (local if layout.kind == "shard" else whole).update(dims)
         flat.update(d + offset for d in layout.flat)
+        for d, each in layout.flat_inner:
+            if inner.setdefault(d + offset, each) != each:  # Note [Views of flattened tokens]
+                return a.refuse(
+                    node,
+                    "combines values whose tokens were flattened with different dims (element i of one "
+                    "is not element i of the other on a rank's part)",
+                    "Flatten both values from the same dim order before combining them",
+                )
     if local & whole:
         return a.refuse(
             node,
@@ -92,7 +100,7 @@ def pointwise(a, node: fx.Node) -> Decided:
         )
     if whole:
         return decide(global_(*whole), "global_shapes")
-    return shard(*local, flat=tuple(flat & local))
+    return shard(*local, flat=tuple(flat & local), flat_inner=tuple(inner.items()))
 
 
 @dispatch.handles_local_order

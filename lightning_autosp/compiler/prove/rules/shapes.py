@@ -4,10 +4,25 @@ A view that keeps the sequence dim, or flattens it with its outer dims, propagat
 chunks runs on the whole sequence, Note [Redistribution]); right pads along the sequence pad the global
 sequence (``slices.py``); positions (``arange`` over the length) become this rank's positions
 (``positions.py``). Slices and indexing: ``indexing.py``.
+
+Note [Views of flattened tokens]
+    A view that flattens the sequence with other dims (``[B, S, H, D] -> [B * S * H, D]``, a gated norm
+    over every head's row) leaves each token's elements where they were in the element order: outer dims
+    before it (B), inner after it (H). On a rank that order holds too, over its own tokens, so a view of
+    a sequence dim is exact exactly when it keeps the counts of elements before and after the tokens:
+    ``[B * S * H, D] -> [B, S, H * D]`` does (2 before, 32 after), ``-> [H, S, B * D]`` would not. A flat
+    dim's size alone (8 * S) does not say how it splits into outer and inner, so the view that flattens
+    records the inner count in the layout (``Layout.flat_inner``) for the view that un-flattens, and
+    elementwise ops carry it (and refuse to combine two values flattened with different inner counts,
+    whose elements at the same index are different tokens' on a rank). A flat dim whose count is
+    unknown (from another rule) still only un-flattens into its outer dims.
 """
 
 from __future__ import annotations
 
+import math
+
+import sympy
 import torch
 from torch import fx
 
@@ -64,7 +79,7 @@ def view(a, node: fx.Node) -> Decided:
             return view(a, node)
     if split_dim is not None:  # the sequence is whole: views may cut it into chunks and join them
         return decide(_split_view(a, layout, split_dim, groups, hints_in, out_shape), "split_shapes")
-    dims, flat = set(), set()
+    dims, flat, inner = set(), set(), {}
     for group_in, group_out in groups:
         seq_in = [d for d in group_in if d in layout.dims]
         if not seq_in:
@@ -77,7 +92,13 @@ def view(a, node: fx.Node) -> Decided:
         sized_out = [d for d in group_out if hints_out[d] != 1 or d in carriers]
         # a carrier sized as chunks of the length (one chunk at this length) holds no rank's part of it
         chunked = any(not holds_tokens(a, out_shape[d]) for d in carriers)
-        if len(seq_in) > 1 or len(carriers) != 1 or (len(sized_in) > 1 and len(sized_out) > 1) or chunked:
+        through = None
+        if len(seq_in) == 1 and len(carriers) == 1 and not chunked:
+            through = _tokens_through_view(
+                a, layout, seq_in[0], carriers[0], group_in, group_out, in_shape, out_shape
+            )
+        unflattens = len(sized_in) > 1 and len(sized_out) > 1
+        if len(seq_in) > 1 or len(carriers) != 1 or (unflattens and through is None) or chunked:
             if _whole_sequence_for_a_block(a, node, source, layout, groups):
                 return view(a, node)
             return a.refuse(
@@ -88,10 +109,59 @@ def view(a, node: fx.Node) -> Decided:
             )
         (out_dim,) = carriers
         dims.add(out_dim)
-        if merged or any(d in layout.flat for d in seq_in) and len(group_out) == 1:
+        if through is not None:  # Note [Views of flattened tokens]
+            outer, each = through
+            if outer * each > 1:
+                flat.add(out_dim)
+                inner[out_dim] = each
+        elif merged or any(d in layout.flat for d in seq_in) and len(group_out) == 1:
             flat.add(out_dim)
-    out = Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat))) if dims else REPLICATE
-    return decide(out, *rewrites)
+    if not dims:
+        return decide(REPLICATE, *rewrites)
+    flat_inner = tuple(sorted(inner.items()))
+    return decide(
+        Layout(layout.kind, tuple(sorted(dims)), tuple(sorted(flat)), flat_inner=flat_inner), *rewrites
+    )
+
+
+def _tokens_through_view(
+    a, layout: Layout, seq: int, carrier: int, group_in: list[int], group_out: list[int], in_shape, out_shape
+) -> tuple[int, int] | None:
+    """Note [Views of flattened tokens]: (outer, inner) of the dim ``carrier`` a view makes of the sequence
+    dim ``seq`` (its size is outer * L * inner, tokens in the middle), or None where that is unknown."""
+    symbol = _length_symbol(a, in_shape[seq])
+    if symbol is None or symbol != _length_symbol(a, out_shape[carrier]):
+        return None
+    k_in, rest_in = symbols.affine(in_shape[seq], symbol)
+    k_out, rest_out = symbols.affine(out_shape[carrier], symbol)
+    others = [in_shape[d] for d in group_in if d != seq] + [out_shape[d] for d in group_out if d != carrier]
+    if not k_in or not k_out or rest_in or rest_out or not all(isinstance(n, sympy.Integer) for n in others):
+        return None
+    if seq in layout.flat:
+        each_in = dict(layout.flat_inner).get(seq)
+        if each_in is None:  # flattened by a rule that did not say how
+            return None
+    elif k_in == 1:
+        each_in = 1
+    else:
+        return None
+
+    def product(shape, dims: list[int]) -> int:
+        return math.prod(int(shape[d]) for d in dims)
+
+    after_in = each_in * product(in_shape, group_in[group_in.index(seq) + 1 :])
+    after_out = product(out_shape, group_out[group_out.index(carrier) + 1 :])
+    if after_in % after_out:
+        return None
+    each_out = after_in // after_out
+    if k_out % each_out:
+        return None
+    return k_out // each_out, each_out
+
+
+def _length_symbol(a, size: object) -> sympy.Symbol | None:
+    found = symbols.symbols_of(size) & set(a.lengths)
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def _split_view(a, layout: Layout, split_dim: int, groups: list, hints_in: list[int], out_shape) -> Layout:
