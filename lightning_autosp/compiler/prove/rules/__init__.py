@@ -28,6 +28,7 @@ from lightning_autosp.compiler.prove.rules import (
     products,
     reductions,
     shapes,
+    views,
 )
 
 Rule = Callable[..., Decided]  # (analysis, node) -> the op's layout, or a Decision
@@ -44,7 +45,7 @@ def _table() -> dict[str, Rule]:
     add(elementwise.IN_PLACE, elementwise.in_place)
     add("dropout1d dropout2d dropout3d feature_dropout", elementwise.dropout_over_channels)
     add("view_as_complex view_as_real", elementwise.complex_view)
-    add("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as ravel", shapes.view)
+    add("view reshape flatten unflatten squeeze unsqueeze view_as reshape_as ravel", views.view)
     add("permute transpose swapaxes swapdims movedim t T mT", shapes.permute)
     add("expand expand_as broadcast_to repeat tile", shapes.expand)
     add("getitem", indexing.getitem)
