@@ -249,6 +249,8 @@ CASES.update(
         "idiom_branch_on_length_auto": Case(
             SequenceIdiomGPT, {"idiom": "branch_on_length"}, strategy_kwargs=INDUCTOR
         ),
+        # the last 16 of 25 tokens: a branch on the length (traced again whole), then a fixed-length sequence
+        "idiom_truncate_auto": Case(SequenceIdiomGPT, {"idiom": "truncate_to_fixed_length"}, seq_len=25),
         "idiom_chunked_scan_whole": Case(
             SequenceIdiomGPT, {"idiom": "chunked_scan"}, seq_len=25, strategy_kwargs={**WHOLE, **INDUCTOR}
         ),

@@ -31,6 +31,7 @@ EXACT = [
     "idiom_multimodal_position_ids",  # Qwen2-VL's position_ids [B, 3, S]: sharded along dim 2
     "idiom_branch_on_length_auto",  # Inductor + SAC: traced again at the whole length, one device's branch
     "idiom_chunked_scan_whole",  # trace_length="whole", Inductor + SAC: a Python loop over chunks
+    "idiom_truncate_auto",  # `if T > 16: ids = ids[:, -16:]`, traced again whole
 ]
 REFUSED = {
     "idiom_refused_branch_on_length": "branched on the sequence length",

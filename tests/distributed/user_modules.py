@@ -326,7 +326,8 @@ class SequenceIdiomGPT(_SGD):
     of channels. ``gated_norm_over_heads``: every head's row normed, the tokens flattened between the
     batch and the heads, then viewed back (exact); ``heads_before_tokens`` views those rows back in another
     dim order and ``rows_flattened_two_ways`` adds rows flattened in two orders (both refused: Note [Views
-    of flattened tokens]).
+    of flattened tokens]). ``truncate_to_fixed_length``: ``if T > 16: ids = ids[:, -16:]``, a branch on the
+    length and a sequence of a fixed number of tokens after it, mixed by a running sum.
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:
@@ -342,6 +343,8 @@ class SequenceIdiomGPT(_SGD):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
+        if self.idiom == "truncate_to_fixed_length" and ids.size(1) > 16:
+            ids = ids[:, -16:]  # the last 16 tokens, as one device keeps them
         x = self.wte(ids)  # (B, T, C)
         if self.idiom == "hand_written_attention":
             scores = (x @ x.transpose(1, 2)).softmax(dim=-1)  # (B, T, T)
@@ -352,7 +355,7 @@ class SequenceIdiomGPT(_SGD):
             x = x.cumsum(dim=1)
         elif self.idiom == "conv_over_sequence":
             x = self.conv(x.transpose(1, 2))[..., : ids.size(1)].transpose(1, 2)
-        elif self.idiom == "cumsum_of_activations":
+        elif self.idiom in ("cumsum_of_activations", "truncate_to_fixed_length"):
             x = x.cumsum(dim=1)
         elif self.idiom == "chunked_scan":
             x = chunked_running_sum(x)

@@ -65,7 +65,7 @@ REFUSED = {
 }
 # Python that computes with the length: exact when traced at the whole sequence's length (Note [Tracing at
 # the whole sequence's length] in compiler/whole_sequence.py), refused at the shard's (REFUSED above)
-WHOLE = ["branch_on_length", "chunked_scan"]
+WHOLE = ["branch_on_length", "chunked_scan", "truncate_to_fixed_length"]
 
 
 def batch_of(length: int, ignored_tail: int = 3) -> dict[str, torch.Tensor]:
@@ -114,3 +114,17 @@ def test_idiom_is_refused_with_the_users_line(idiom: str) -> None:
         assert re.search(rf"- {op} at .*user_modules\.py:\d+ in training_step", message), message
     else:  # a branch: Dynamo's record of where the user's code took it
         assert "user_modules.py" in message, message
+
+
+@pytest.mark.parametrize("length", [40, 41])
+def test_a_sequence_truncated_to_a_fixed_length_is_exact_traced_at_the_shard(length: int) -> None:
+    """Both ranks' shards are longer than 16 tokens, so the shard trace takes the one device's branch; the
+    last 16 tokens (on one rank at 40, across the cut at 41) are then a sequence no length symbol marks,
+    whose views count elements instead (Note [Views of flattened tokens])."""
+    torch.manual_seed(0)
+    module = SequenceIdiomGPT("truncate_to_fixed_length")
+    batch = batch_of(length)
+    loss, grads = single_device(module, batch)
+    simulated = simulate_step(module, batch, 2)
+    assert max(rel_err(rank_loss, loss) for rank_loss in simulated.losses) <= 1e-5
+    assert grad_rel_err(simulated.grads, grads) <= 1e-4

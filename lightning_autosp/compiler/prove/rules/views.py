@@ -14,6 +14,11 @@ Note [Views of flattened tokens]
     elementwise ops carry it (and refuse to combine two values flattened with different inner counts,
     whose elements at the same index are different tokens' on a rank). A flat dim whose count is
     unknown (from another rule) still only un-flattens into its outer dims.
+
+    A sequence sliced to a fixed number of tokens (``ids[:, -4096:]``) has no length symbol to mark the
+    dim its tokens go to, so the counts find it: the output dim with the same elements before and after
+    the tokens. Each rank holds another number of those tokens, so only a view that lets every rank infer
+    that dim's size (-1, or no sizes at all) is exact.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sympy
 from torch import fx
 
 from lightning_autosp.compiler import symbols
-from lightning_autosp.compiler.fx_utils import meta_value
+from lightning_autosp.compiler.fx_utils import flatten, meta_value
 from lightning_autosp.compiler.prove.layout import REPLICATE, Layout, split
 from lightning_autosp.compiler.prove.plan import Decided, decide
 from lightning_autosp.compiler.prove.rules import dispatch
@@ -66,15 +71,20 @@ def view(a, node: fx.Node) -> Decided:
         if not seq_in:
             continue
         carriers = [d for d in group_out if a.has_sequence_symbol(out_shape[d])]
+        fixed = None
+        if not carriers and len(seq_in) == 1 and not a.has_sequence_symbol(in_shape[seq_in[0]]):
+            groups_here = (group_in, group_out)
+            fixed = _fixed_tokens_through_view(node, layout, seq_in[0], *groups_here, in_shape, out_shape)
+            carriers = [fixed[0]] if fixed is not None else carriers
         merged = len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in seq_in)
         # Size-1 dims join the run before them (``_view_groups``) but hold no elements: a run
         # (s, 1) -> (s, 1) keeps the sequence whole (multi-head attention at batch size 1).
         sized_in = [d for d in group_in if hints_in[d] != 1 or d in seq_in]
         sized_out = [d for d in group_out if hints_out[d] != 1 or d in carriers]
         # a carrier sized as chunks of the length (one chunk at this length) holds no rank's part of it
-        chunked = any(not holds_tokens(a, out_shape[d]) for d in carriers)
-        through = None
-        if len(seq_in) == 1 and len(carriers) == 1 and not chunked:
+        chunked = fixed is None and any(not holds_tokens(a, out_shape[d]) for d in carriers)
+        through = fixed[1:] if fixed is not None else None
+        if fixed is None and len(seq_in) == 1 and len(carriers) == 1 and not chunked:
             through = _tokens_through_view(
                 a, layout, seq_in[0], carriers[0], group_in, group_out, in_shape, out_shape
             )
@@ -127,17 +137,51 @@ def _tokens_through_view(
     else:
         return None
 
-    def product(shape, dims: list[int]) -> int:
-        return math.prod(int(shape[d]) for d in dims)
-
-    after_in = each_in * product(in_shape, group_in[group_in.index(seq) + 1 :])
-    after_out = product(out_shape, group_out[group_out.index(carrier) + 1 :])
+    after_in = each_in * _product(in_shape, group_in[group_in.index(seq) + 1 :])
+    after_out = _product(out_shape, group_out[group_out.index(carrier) + 1 :])
     if after_in % after_out:
         return None
     each_out = after_in // after_out
     if k_out % each_out:
         return None
     return k_out // each_out, each_out
+
+
+def _fixed_tokens_through_view(
+    node: fx.Node, layout: Layout, seq: int, group_in: list[int], group_out: list[int], in_shape, out_shape
+) -> tuple[int, int, int] | None:
+    """Note [Views of flattened tokens] for a sequence sliced to a fixed number of tokens (``ids[:, -N:]``),
+    which no length symbol marks: (the dim that holds the tokens, outer, inner), found by counting the
+    elements before and after them. None where a count is unknown (a flat dim), the tokens are one (any
+    size-1 dim could hold it), or the view names the size of the dim that holds them (a rank holds
+    another number of those tokens: only -1 lets each rank's view infer its own)."""
+    sizes = [*in_shape, *out_shape]
+    if seq in layout.flat or not all(isinstance(size, sympy.Integer) for size in sizes):
+        return None
+    tokens, at = int(in_shape[seq]), group_in.index(seq)
+    before, after = _product(in_shape, group_in[:at]), _product(in_shape, group_in[at + 1 :])
+    for position, carrier in enumerate(group_out):
+        before_out = _product(out_shape, group_out[:position])
+        after_out = _product(out_shape, group_out[position + 1 :])
+        if tokens < 2 or before % before_out or after % after_out:
+            continue
+        outer, each = before // before_out, after // after_out
+        if outer * tokens * each == int(out_shape[carrier]):
+            return (carrier, outer, each) if _size_inferred(node, carrier, len(out_shape)) else None
+    return None
+
+
+def _size_inferred(node: fx.Node, dim: int, rank: int) -> bool:
+    """Whether each rank's view infers the size of output dim ``dim`` (-1, or a view with no sizes)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name in ("flatten", "ravel", "squeeze", "unsqueeze", "view_as", "reshape_as"):
+        return True
+    sizes = flatten([*node.args[1:], *node.kwargs.values()])
+    return name in ("view", "reshape") and len(sizes) == rank and sizes[dim] == -1
+
+
+def _product(shape, dims: list[int]) -> int:
+    return math.prod(int(shape[d]) for d in dims)
 
 
 def _length_symbol(a, size: object) -> sympy.Symbol | None:
