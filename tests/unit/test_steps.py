@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_autosp.compiler.backend import AutoSPBackend
-from lightning_autosp.compiler.prove.plan import SequenceParallelRefusal
+from lightning_autosp.compiler.prove.plan import LengthBranchRefusal, SequenceParallelRefusal
 from lightning_autosp.data import SequenceShard
 from lightning_autosp.steps import RECOMPILES_PER_LAYOUT, CompiledSteps, check_sequence_parallel_applied
 
@@ -150,3 +150,39 @@ def test_a_refusal_reaches_the_user_as_itself_and_each_compile_is_announced(capl
         refusal.value
     )
     assert refusal.value.__cause__ is None and refusal.value.__suppress_context__
+
+
+class LengthBranchingBackend(AutoSPBackend):
+    """A backend whose pass refuses a graph traced at a shard's length (2 rows) for a branch on it, and
+    takes the one traced at the whole sequence's (4 rows)."""
+
+    def __call__(self, gm, example_inputs):
+        if any(isinstance(x, torch.Tensor) and x.shape == (2, 4) for x in example_inputs):
+            raise LengthBranchRefusal("The SP pass cannot prove this training step exact:\n- branched")
+        return super().__call__(gm, example_inputs)
+
+
+def test_a_step_that_branches_on_the_shards_length_runs_again_on_the_whole_batch(caplog) -> None:
+    """trace_length="auto" (Note [Tracing at the whole sequence's length]): the strategy hands over the batch
+    whole once, and the step's result is that of the whole batch; with "shard" there is none to hand over
+    and the refusal is the user's."""
+    torch._dynamo.reset()
+    model, whole, handed = Model(), torch.randn(4, 4), []
+    steps = CompiledSteps(
+        lambda _: LengthBranchingBackend(None, compiler="aot_eager"),
+        lambda shard: None,
+        lambda: None,
+        lambda: handed.append(whole) or whole,
+    )
+    with caplog.at_level(logging.INFO):
+        loss = steps.compiled("training_step", model.training_step)(torch.randn(2, 4), 0)
+    assert len(handed) == 1
+    torch.testing.assert_close(loss, model.training_step(whole, 0))
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("branches on the sequence length; tracing it at the whole length" in m for m in messages)
+    torch._dynamo.reset()
+    steps = CompiledSteps(
+        lambda _: LengthBranchingBackend(None, compiler="aot_eager"), lambda shard: None, lambda: None
+    )
+    with pytest.raises(LengthBranchRefusal):
+        steps.compiled("training_step", model.training_step)(torch.randn(2, 4), 0)
