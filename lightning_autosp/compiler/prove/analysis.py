@@ -149,8 +149,9 @@ class Analysis:
                     f"the model branched on the sequence length ({guard}): that holds for this rank's "
                     f"{self.context.shard.local_len} tokens but not for the whole sequence of "
                     f"{self.context.shard.global_len}, which the single-device step would see",
-                    "Trace the step at the whole sequence's length, AutoSPStrategy(trace_length='whole') "
-                    "(one compile per length), or make the branch independent of the length",
+                    "Trace the step at the whole sequence's length: AutoSPStrategy(trace_length='auto'), the "
+                    "default, does so after this refusal, trace_length='whole' from the first step (one "
+                    "compile per length); or make the branch independent of the length",
                     where=where,
                     length_branch=True,
                 )
