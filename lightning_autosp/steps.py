@@ -159,6 +159,7 @@ class CompiledSteps:
                 )
             skipped, frames_before = frames_not_compiled(), counters["frames"]["ok"]
             breaks_before = collections.Counter(counters["unimplemented"])
+            graph_breaks_before = collections.Counter(counters["graph_break"])
             whole = None
             with _tracing_settings(), _recompiles_limited(len(compiled)), _collectives_kept_apart():
                 try:
@@ -167,8 +168,18 @@ class CompiledSteps:
                     raise RuntimeError(_recompile_limit_message(name, step, region)) from error
                 except BackendCompilerFailed as error:
                     refusal = error.inner_exception
-                    # Note [Tracing at the whole sequence's length]: every rank got this refusal alike
-                    whole = self._whole_batch() if isinstance(refusal, LengthBranchRefusal) and args else None
+                    # Note [Tracing at the whole sequence's length]: every rank got this refusal alike; a
+                    # step broken into graphs keeps it (eager code between them holds this rank's part)
+                    new_breaks = counters["graph_break"] - graph_breaks_before
+                    broken = bool(new_breaks or counters["unimplemented"] - breaks_before)
+                    retry = isinstance(refusal, LengthBranchRefusal) and args and not broken
+                    whole = self._whole_batch() if retry else None
+                    if broken and isinstance(refusal, LengthBranchRefusal):
+                        refusal = LengthBranchRefusal(
+                            f"{refusal}\nNot traced again at the whole sequence's length: the step is broken "
+                            "into several graphs (TORCH_LOGS=graph_breaks shows where), and the eager code "
+                            "between them holds this rank's part of the values. Remove the graph break."
+                        )
                     # The refusal is the message: Dynamo's wrapper and its advice on its own logs are noise.
                     if whole is None and isinstance(refusal, SequenceParallelRefusal):
                         raise refusal.with_traceback(None) from None
@@ -178,7 +189,16 @@ class CompiledSteps:
                 rank_zero_info(
                     f"AutoSP: {name} branches on the sequence length; tracing it at the whole length"
                 )
-                return run(whole, *args[1:], **kwargs)
+                try:
+                    return run(whole, *args[1:], **kwargs)
+                except SequenceParallelRefusal:
+                    raise
+                except Exception as failure:  # the same trace on every rank: the same failure
+                    first_line = (str(failure).splitlines() or [""])[0]
+                    raise LengthBranchRefusal(
+                        f"{refusal}\nTraced again at the whole sequence's length, the step failed: "
+                        f"{type(failure).__name__}: {first_line}"
+                    ) from None
             if counters["frames"]["ok"] > frames_before:
                 self._count_compile(name, step, region)
                 seconds = time.perf_counter() - started

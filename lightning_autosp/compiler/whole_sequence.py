@@ -9,7 +9,9 @@ Note [Tracing at the whole sequence's length]
     branch is the one a single device takes. ``AutoSPStrategy(trace_length="whole")`` does so from the
     first step; the default, ``"auto"``, after a step's shard trace is refused for such a branch
     (``LengthBranchRefusal``, which every rank raises alike): ``CompiledSteps`` calls the step again
-    with the batch whole, and the strategy hands over whole batches from then on.
+    with the batch whole, and the strategy hands over whole batches from then on. Not a step broken into
+    several graphs: the eager code between them (an FSDP unit's hooks, a skipped frame) holds this rank's
+    part of the values, which the next graph's whole inputs would not match, so it keeps the refusal.
 
     The graph is the same kind of object either way: the single-device program as a function of a
     length symbol s, valid where its shape guards hold. The analysis reads every size as an expression

@@ -186,3 +186,26 @@ def test_a_step_that_branches_on_the_shards_length_runs_again_on_the_whole_batch
     )
     with pytest.raises(LengthBranchRefusal):
         steps.compiled("training_step", model.training_step)(torch.randn(2, 4), 0)
+
+
+class BrokenModel(Model):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        hidden = self.linear(batch)
+        torch._dynamo.graph_break()  # as an FSDP unit's hooks or an unsupported call break the step
+        return hidden.sum()
+
+
+def test_a_step_broken_into_graphs_keeps_its_refusal_for_a_branch_on_the_length() -> None:
+    """Eager code between the graphs holds this rank's part of the values, which a whole batch's next graph
+    would not match: no second trace, and the refusal says why."""
+    torch._dynamo.reset()
+    handed = []
+    steps = CompiledSteps(
+        lambda _: LengthBranchingBackend(None, compiler="aot_eager"),
+        lambda shard: None,
+        lambda: None,
+        lambda: handed.append(True) or torch.randn(4, 4),
+    )
+    with pytest.raises(LengthBranchRefusal, match="Not traced again at the whole sequence's length"):
+        steps.compiled("training_step", BrokenModel().training_step)(torch.randn(2, 4), 0)
+    assert not handed
