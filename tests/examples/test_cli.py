@@ -187,8 +187,9 @@ def test_autosp_verify_cpu_demo_config(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(CLI_HANG_GUARD_S + 60)
 def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
-    # A Python branch on the length that a shard and the whole sequence take differently: the SP pass
-    # cannot make it exact, so verify shows the refusal, with the user's line, and exits non-zero.
+    # A Python branch on the length that a shard and the whole sequence take differently: traced at the
+    # shard's length only (the default, "auto", traces it again whole and is exact), the SP pass cannot
+    # make it exact, so verify shows the refusal, with the user's line, and exits non-zero.
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -196,7 +197,7 @@ def test_autosp_verify_shows_a_refusal_and_exits_1(tmp_path: Path) -> None:
             "devices": 2,
             "strategy": {
                 "class_path": "lightning_autosp.AutoSPStrategy",
-                "init_args": {"compiler": "aot_eager"},
+                "init_args": {"compiler": "aot_eager", "trace_length": "shard"},
             },
         },
         "model": {
