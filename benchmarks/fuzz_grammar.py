@@ -33,6 +33,7 @@ ELEMENTS: dict[str, tuple[str, ...]] = {
         "causal_conv",
         "suffix_sum",
         "flip",
+        "associative_scan",
     ),
     "mask": ("causal", "bidirectional", "window"),
     "mask_spelling": ("is_causal", "bool", "float"),
@@ -128,7 +129,7 @@ ATTENTION_MIXERS = ("sdpa", "manual_attention", "multihead_attention")
 # over a causal GPT) and per-sequence losses get extra weight.
 WEIGHTS: dict[str, tuple[float, ...]] = {
     "positions": (1, 3, 2, 1, 1, 1, 1, 1),
-    "mixer": (6, 2, 2, 1, 1, 1, 1),
+    "mixer": (6, 2, 2, 1, 1, 1, 1, 1),
     "head": (3, 3, 2, 2, 2, 2, 2, 2),
     "ignore_index": (3, 1, 1),
     "aux_loss": (4, 1, 1, 1),

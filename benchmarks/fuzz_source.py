@@ -22,6 +22,7 @@ IGNORED_TAIL = 3
 _PRELUDE = """import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.associative_scan import associative_scan
 
 D, H, KV, DH = {dim}, {heads}, {kv_heads}, {head_dim}
 VOCAB, OUT, MAX_LEN, WINDOW, LAYERS = {vocab}, {out}, {max_len}, {window}, {layers}
@@ -173,6 +174,11 @@ def _mixer(spec: Spec) -> tuple[list[str], list[str]]:
         "cumsum": "h = self.mix(h).cumsum(dim=1) / torch.arange(1, T + 1, device=x.device).unsqueeze(-1)",
         "suffix_sum": "h = self.mix(h).flip(1).cumsum(dim=1).flip(1) / T",
         "flip": "h = self.mix(h).flip(1)",
+        # Jamba's scan: h_t = a_t * h_(t-1) + b_t, by torch's recursion over halves combined under vmap
+        "associative_scan": (
+            "h = associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]), "
+            "(torch.sigmoid(self.mix(h)), h), dim=1, combine_mode='generic')[1]"
+        ),
     }
     return ["self.mix = nn.Linear(D, D)"], [mixes[mixer]]
 

@@ -172,13 +172,27 @@ def writes_in_place(node: fx.Node) -> bool:
 _VIEWS = {"getitem", "view", "reshape", "narrow", "select", "transpose", "permute", "unsqueeze", "squeeze"}
 
 
+# torch.vmap's levels as Dynamo records them: calls whose result no node reads, which FX takes for dead code,
+# but without which the batched values between them have no level to belong to.
+VMAP_LEVELS = frozenset({"_vmap_increment_nesting", "_vmap_decrement_nesting"})
+
+
+def _kept(node: fx.Node) -> bool:
+    return (
+        node.is_impure()
+        or writes_in_place(node)
+        or (node.op == "call_function" and op_name(node) in VMAP_LEVELS)
+    )
+
+
 def eliminate_dead_code(graph: fx.Graph) -> list[str]:
     """FX's dead-code elimination, which treats a method call as pure, keeping in-place writes unless
     nothing reads what they write: a tensor the graph creates whose every use is a view or such a write
-    (a cache's state in training, a mask replaced by a whole one). Returns those tensors' names."""
+    (a cache's state in training, a mask replaced by a whole one), and vmap's levels. Returns those
+    tensors' names."""
     unread: list[str] = []
     while True:
-        graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or writes_in_place(node))
+        graph.eliminate_dead_code(is_impure_node=_kept)
         writes = [n for n in graph.nodes if writes_in_place(n) and not n.users and _written_unread(n)]
         if not writes:
             return unread

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 import sympy
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import guard_int
+from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod, PythonMod
 
 
@@ -170,6 +170,36 @@ def symint(shape_env: object, expr: sympy.Expr, at: Mapping[sympy.Symbol, int]) 
     if expr.is_number:
         return int(expr)
     return shape_env.create_symintnode(expr, hint=int(expr.subs(dict(at))))
+
+
+def provably_equal(shape_env: object, expr: sympy.Expr, other: sympy.Expr) -> bool:
+    """Whether the guards of the trace prove ``expr == other`` for every value they admit (no guard is
+    added): ``2 * ((s - 1) // 2) + 2`` is ``s`` where a scan's recursion guarded on ``s`` being even."""
+    if shape_env is None or symbols_of(expr) - set(shape_env.backed_var_to_val):
+        return False
+    hints = shape_env.backed_var_to_val
+    return bool(statically_known_true(symint(shape_env, expr, hints) == symint(shape_env, other, hints)))
+
+
+def as_length(shape_env: object, expr: sympy.Expr, lengths: Mapping[sympy.Symbol, int]) -> sympy.Expr:
+    """``expr``, or the multiple of a length plus a constant that the trace's guards prove it is."""
+    candidates = symbols_of(expr) & set(lengths)
+    if not candidates or expr in lengths or affine(expr, next(iter(candidates)))[0] is not None:
+        return expr
+    forms = (form for symbol in candidates for form in affine_candidates(shape_env, expr, symbol))
+    return next((form for form in forms if provably_equal(shape_env, expr, form)), expr)
+
+
+def affine_candidates(shape_env: object, expr: sympy.Expr, symbol: sympy.Symbol) -> list[sympy.Expr]:
+    """``a * symbol + c`` with the a (nearest the ratio of their values in this trace) and c that ``expr``
+    takes in this trace: the forms of a multiple of a length ``expr`` may be proven to equal."""
+    if shape_env is None or symbols_of(expr) - set(shape_env.backed_var_to_val):
+        return []
+    value, length = expr.subs(shape_env.backed_var_to_val), shape_env.backed_var_to_val[symbol]
+    if not value.is_number or not length:
+        return []
+    scales = dict.fromkeys(max(1, round(int(value) / int(length)) + step) for step in (0, -1, 1))
+    return [scale * symbol + (int(value) - scale * int(length)) for scale in scales]
 
 
 def guard_at_global(

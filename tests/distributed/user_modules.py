@@ -11,6 +11,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.associative_scan import associative_scan
 
 from tests.distributed.modules import VOCAB, TinyGPT
 
@@ -321,7 +322,9 @@ class SequenceIdiomGPT(_SGD):
     ``insert_token`` a learned token inserted into the sequence (it grows by one, every shard shifts).
     Refused when traced at the shard's length, naming this file's line, and exact at the whole sequence's
     (``trace_length="whole"``): ``branch_on_length`` a Python branch on the length that the shard and the
-    whole sequence take differently; ``chunked_scan`` a running sum chunk by chunk in a Python loop.
+    whole sequence take differently; ``chunked_scan`` a running sum chunk by chunk in a Python loop;
+    ``associative_scan`` a gated running sum by torch's ``associative_scan``, which recurses on halves of the
+    sequence and combines them under ``torch.vmap`` (Jamba's Mamba scan).
     ``every_other_token``: aten's ``slice`` with step 2 along the sequence, on the whole sequence for a block
     of channels. ``gated_norm_over_heads``: every head's row normed, the tokens flattened between the
     batch and the heads, then viewed back (exact); ``heads_before_tokens`` views those rows back in another
@@ -359,6 +362,13 @@ class SequenceIdiomGPT(_SGD):
             x = x.cumsum(dim=1)
         elif self.idiom == "chunked_scan":
             x = chunked_running_sum(x)
+        elif self.idiom == "associative_scan":  # Jamba's: h_t = a_t * h_(t-1) + b_t by halves, through vmap
+            _, x = associative_scan(
+                lambda left, right: (left[0] * right[0], right[0] * left[1] + right[1]),
+                (torch.sigmoid(x), x),
+                dim=1,
+                combine_mode="generic",
+            )
         elif self.idiom == "every_other_token":  # aten's slice with a step, as torch's own scans write it
             x = x + torch.ops.aten.slice.Tensor(x, 1, 0, None, 2).mean(dim=1, keepdim=True)
         elif self.idiom == "insert_token":

@@ -36,6 +36,17 @@ EXACT = {
     "litgpt": lambda: LitGPTModule(),
     # positions from a cumsum of the attention mask
     "opt": lambda: HFModule("opt", ffn_dim=64, word_embed_proj_dim=32, **NO_DROPOUT),
+    # rope scaled past max_position_embeddings statically (the fix docs give for dynamic-NTK rope's refusal)
+    "yarn_rope": lambda: HFModule(
+        "llama",
+        max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "rope_theta": 1e4,
+            "original_max_position_embeddings": 8,
+        },
+    ),
     # a sliding window equal to the shard length (12 of 24 tokens): not taken for the causal mask
     "mistral_window_12": lambda: HFModule("mistral", sliding_window=12),
     # losses written by hand
@@ -60,12 +71,13 @@ EXACT = {
 REFUSED = {
     "branch_on_length": (None, "branched on the sequence length", "trace_length='whole'"),
     "chunked_scan": (None, "branched on the sequence length", "trace_length='whole'"),
+    "associative_scan": (None, "branched on the sequence length", "trace_length='whole'"),
     "heads_before_tokens": (None, "in a way that mixes it with another dim", "Keep the sequence dim whole"),
     "rows_flattened_two_ways": (None, "flattened with different dims", "Flatten both values"),
 }
 # Python that computes with the length: exact when traced at the whole sequence's length (Note [Tracing at
 # the whole sequence's length] in compiler/whole_sequence.py), refused at the shard's (REFUSED above)
-WHOLE = ["branch_on_length", "chunked_scan", "truncate_to_fixed_length"]
+WHOLE = ["branch_on_length", "chunked_scan", "associative_scan", "truncate_to_fixed_length"]
 
 
 def batch_of(length: int, ignored_tail: int = 3) -> dict[str, torch.Tensor]:

@@ -172,6 +172,17 @@ FAMILIES: dict[str, Family] = {
         hf("llama", layers=2, gradient_checkpointing=True),
         "HF gradient_checkpointing_enable(): the regions inlined, SAC decides",
     ),
+    "llama_dynamic_rope": Family(
+        hf(
+            "llama",
+            max_position_embeddings=16,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        "dynamic-NTK rope past max_position_embeddings: inv_freq recomputed in Python from the largest "
+        "position, a branch on a tensor's value",
+        # Dynamo runs the branch's frames eagerly, where the pass cannot see what they compute (issue 49)
+        refusal="could not compile part of training_step",
+    ),
     # HF causal LMs whose attention transformers writes out (eager by default)
     "gemma2": Family(
         hf("gemma2", layers=2, head_dim=8), "attention written out, soft-capping: split over heads"
@@ -264,9 +275,9 @@ FAMILIES: dict[str, Family] = {
             mamba_expand=1,
             mamba_dt_rank=4,
         ),
-        "hybrid: Mamba selective scan (torch path), attention, experts (traced at the whole length)",
-        # its scan recurses on the length through vmap's batching internals, which have no rule (issue 49)
-        refusal="no rule says how this op treats the sequence dim",
+        "hybrid: Mamba selective scan (torch's associative_scan: a recursion over halves through vmap, "
+        "traced at the whole length), attention, experts",
+        inductor=True,
     ),
     "granitemoehybrid": Family(
         hf(

@@ -120,6 +120,8 @@ class Analysis:
         self._visiting: fx.Node | None = None
         self._needed: dict[fx.Node, Layout] = {}  # the layouts the visited op's rule asked for
         self._every_length: tuple[object, dict, dict] | None = None
+        self._shape_env: object | None = None
+        self._proven_lengths: dict[sympy.Expr, sympy.Expr] = {}  # sizes the guards prove are a length
         self.flash_matches = {match.node: match for match in find_flash_attention(gm, self.refuse)}
 
     # ---------------------------------------------------------------------------------------------
@@ -201,11 +203,21 @@ class Analysis:
         return symbols.raw_expr(arg)
 
     def shape(self, node: fx.Node) -> tuple[sympy.Expr, ...] | None:
-        """The traced sizes of a tensor node, as expressions."""
+        """The traced sizes of a tensor node, as expressions; a size the trace's guards prove equal to a
+        length is that length's symbol, as rules compare sizes with lengths by identity."""
         value = meta_value(node)
         if isinstance(value, torch.Tensor):
-            return symbols.shape_exprs(value)
+            return tuple(self._as_length(expr) for expr in symbols.shape_exprs(value))
         return None
+
+    def _as_length(self, expr: sympy.Expr) -> sympy.Expr:
+        if not self.lengths:  # not solved yet (the inputs' layouts are being read)
+            return expr
+        if expr not in self._proven_lengths:
+            if self._shape_env is None:
+                self._shape_env = symbols.graph_shape_env(self.gm, self.example_inputs)
+            self._proven_lengths[expr] = symbols.as_length(self._shape_env, expr, self.lengths)
+        return self._proven_lengths[expr]
 
     def has_sequence_symbol(self, expr: object) -> bool:
         if isinstance(expr, tuple):

@@ -59,6 +59,8 @@ def _table() -> dict[str, Rule]:
         indexing.index_along,
     )
     add("pad", shapes.pad)
+    add("_add_batch_dim _remove_batch_dim", shapes.vmap_batch_dim)
+    add("_vmap_increment_nesting", shapes.vmap_level)
     add("cat concat concatenate", shapes.cat)
     add("stack", shapes.stack)
     add("split chunk tensor_split split_with_sizes unbind", shapes.pieces)

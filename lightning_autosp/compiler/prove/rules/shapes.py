@@ -1,8 +1,25 @@
-"""Rules for ops that move, join or create dims: permutes, expands, pads, concatenation, splits, factories.
+"""Rules for ops that move, join or create dims: permutes, expands, pads, concatenation, splits, factories,
+and the dim ``torch.vmap`` hides.
 
 Right pads along the sequence pad the global sequence (``slices.py``); positions (``arange`` over the
 length) become this rank's positions (``positions.py``). Views: ``views.py``; slices and indexing:
 ``indexing.py``.
+
+Note [A dim hidden by vmap]
+    Dynamo records ``torch.vmap(f)(x)`` as ``f``'s ops between ``_vmap_increment_nesting(batch_size)``,
+    ``_add_batch_dim(x, in_dim, level)``, which hides dim ``in_dim`` (``f`` sees a value without it and
+    runs on every slice alike), and ``_remove_batch_dim(y, level, batch_size, out_dim)``, which puts it
+    back. torch's generic ``associative_scan`` (Jamba's Mamba scan) is such a recursion: halves of the
+    sequence combined under vmap, interleaved, and again. Whatever ``f`` does to its visible dims, the
+    hidden one is mapped over independently, so the rules judge ``f``'s ops on what they see, provided
+    the hidden dim is one no layout tracks, or the whole sequence of a split value (every rank holds all
+    of it, for a block of another dim): vmap over this rank's part of the sequence, or over the split
+    dim, is refused, since the batch size would then differ from rank to rank or from one device. On a
+    split value a batch size computed from the length is the whole sequence's, so it is a value
+    (global) to both ``_vmap_increment_nesting`` and ``_remove_batch_dim``, and the dim put back is a
+    sequence dim again where it is as long as the sequence. The interleaved halves end as a dim the
+    trace's guards prove as long as the sequence (``2 * ((s - 1) // 2) + 2`` where it guarded on ``s``
+    even): ``Analysis.shape`` gives such a size as the length (``symbols.provably_equal``).
 """
 
 from __future__ import annotations
@@ -11,7 +28,7 @@ import torch
 from torch import fx
 
 from lightning_autosp.compiler import symbols
-from lightning_autosp.compiler.fx_utils import flatten, meta_value
+from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name
 from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout, shard, split
 from lightning_autosp.compiler.prove.plan import Decided, TokenInsertion, decide
 from lightning_autosp.compiler.prove.rules import dispatch
@@ -20,6 +37,7 @@ from lightning_autosp.compiler.prove.rules.common import (
     ndim,
     normalize_dims,
     partial_passes,
+    restore_sequence_dims,
     sequence_dims_of_output,
     tensor_nodes,
 )
@@ -130,6 +148,53 @@ def pad(a, node: fx.Node) -> Decided:
             "Pad at the end of the sequence, or in the data pipeline",
         )
     return decide(layout, "slices")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.vmap's batch dim
+
+
+@handles_split
+def vmap_batch_dim(a, node: fx.Node) -> Decided:
+    """``torch.vmap`` as Dynamo records it (Note [A dim hidden by vmap]): ``_add_batch_dim(x, in_dim,
+    level)`` hides a dim, ``_remove_batch_dim(y, level, batch_size, out_dim)`` brings it back."""
+    if node.args and a.layout(node.args[0]) == PARTIAL:
+        return PARTIAL
+    source = node.args[0]
+    layout, rank = a.layout(source), ndim(source)
+    if op_name(node) == "_add_batch_dim":
+        hidden = normalize_dims(node.args[1], rank)[0]
+        tracked = (
+            hidden in layout.flat or layout.is_local_order or (layout.is_split and hidden == layout.split)
+        )
+        if tracked or (hidden in layout.dims and not layout.is_split):
+            return a.refuse(
+                node,
+                f"maps a function over dim {hidden} of a value laid out {layout}, which holds this rank's "
+                "part of the sequence (or of the heads) there",
+                "Map over a dim the sequence does not run along, or write the loop with tensor ops",
+            )
+        return layout.mapped({d: None if d == hidden else d - (d > hidden) for d in range(rank)})
+    batch_size, out_dim = node.args[2], normalize_dims(node.args[3], rank + 1)[0]
+    out = layout.mapped({d: d + (d >= out_dim) for d in range(rank)})
+    if not a.has_sequence_symbol(a.size_expr(batch_size)):
+        return out
+    a.shape_use(batch_size)
+    if layout.is_split:  # the hidden dim was the whole sequence's (or a part of it): global sizes
+        return decide(restore_sequence_dims(a, node, out), "global_shapes")
+    return a.refuse(
+        node,
+        f"brings back a dim of {batch_size} elements, computed from the sequence length, into a value laid "
+        f"out {layout}, which holds this rank's part of the sequence",
+        "Map over a dim the sequence does not run along, or write the loop with tensor ops",
+    )
+
+
+def vmap_level(a, node: fx.Node) -> Layout:
+    """``_vmap_increment_nesting(batch_size, randomness)``: the size of the dim vmap hides is a value to
+    it, the global one where it is a length, which ``vmap_batch_dim`` allows only where the sequence is
+    whole."""
+    return REPLICATE
 
 
 # --------------------------------------------------------------------------------------------------

@@ -64,7 +64,13 @@ def view(a, node: fx.Node) -> Decided:
             a.sequence_home(source)
             return view(a, node)
     if split_dim is not None:  # the sequence is whole: views may cut it into chunks and join them
-        return decide(_split_view(a, layout, split_dim, groups, hints_in, out_shape), "split_shapes")
+        out = _split_view(a, layout, split_dim, groups, hints_in, out_shape)
+        if out.flat and not layout.flat and _flattens_after_others(layout, groups, hints_in):
+            # tokens flattened with the batch on the whole sequence could not go back to shards later
+            # (the loss's [B * S, V] logits): they go back first, and are flattened as this rank's
+            a.sequence_home(source)
+            return view(a, node)
+        return decide(out, "split_shapes")
     dims, flat, inner = set(), set(), {}
     for group_in, group_out in groups:
         seq_in = [d for d in group_in if d in layout.dims]
@@ -90,7 +96,8 @@ def view(a, node: fx.Node) -> Decided:
             )
         unflattens = len(sized_in) > 1 and len(sized_out) > 1
         if len(seq_in) > 1 or len(carriers) != 1 or (unflattens and through is None) or chunked:
-            if _whole_sequence_for_a_block(a, node, source, layout, groups):
+            # (not where this rule just brought the source back from a block: that would go round)
+            if not a.moved(source) and _whole_sequence_for_a_block(a, node, source, layout, groups):
                 return view(a, node)
             return a.refuse(
                 node,
@@ -189,6 +196,17 @@ def _length_symbol(a, size: object) -> sympy.Symbol | None:
     return next(iter(found)) if len(found) == 1 else None
 
 
+def _flattens_after_others(layout: Layout, groups: list, hints_in: list[int]) -> bool:
+    """Whether a view flattens a token dim with dims before it only (``[B, S, V] -> [B * S, V]``), as
+    sequence shards are flattened too."""
+    for group_in, _ in groups:
+        tokens = [d for d in group_in if d in layout.dims]
+        sized = [d for d in group_in if hints_in[d] != 1 or d in tokens]
+        if len(tokens) == 1 and len(sized) > 1 and sized[-1] == tokens[0]:
+            return True
+    return False
+
+
 def _split_view(a, layout: Layout, split_dim: int, groups: list, hints_in: list[int], out_shape) -> Layout:
     """Where the tokens go through a view of a split value: a token dim kept (or flattened with the dims
     before it), cut into (chunk, position in chunk) dims, or such a pair joined back into one."""
@@ -200,7 +218,10 @@ def _split_view(a, layout: Layout, split_dim: int, groups: list, hints_in: list[
         joined = [pair for pair in pairs if set(pair) <= set(group_in)]
         if tokens_in and len(carriers) == 1:
             dims.add(carriers[0])
-            if len(group_in) > 1 and any(hints_in[d] != 1 for d in group_in if d not in tokens_in):
+            # a dim exactly as long as the sequence is one whichever dims made it (the halves of a scan
+            # interleaved): the value is whole, so its row t is the single-device value's row t
+            others = any(hints_in[d] != 1 for d in group_in if d not in tokens_in)
+            if len(group_in) > 1 and others and out_shape[carriers[0]] not in a.lengths:
                 flat.add(carriers[0])
         elif len(tokens_in) == 1 and len(group_in) == 1 and carriers == group_out and len(carriers) == 2:
             chunks.add(tuple(carriers))
