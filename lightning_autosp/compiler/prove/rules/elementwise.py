@@ -15,7 +15,7 @@ from lightning_autosp.compiler.prove.layout import CAUSAL, PARTIAL, REPLICATE, L
 from lightning_autosp.compiler.prove.plan import Decided, decide, layout_of
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import ndim, tensor_nodes
-from lightning_autosp.compiler.prove.rules.split import broadcast, handles_split, home_or_align
+from lightning_autosp.compiler.prove.rules.split import broadcast, handles_split, home_or_align, sizes
 
 
 def _names(text: str) -> set[str]:
@@ -91,6 +91,15 @@ def pointwise(a, node: fx.Node) -> Decided:
                     "is not element i of the other on a rank's part)",
                     "Flatten both values from the same dim order before combining them",
                 )
+    for tensor, layout in zip(tensors, layouts):  # a replicated operand broadcasts along the tokens
+        offset, size = out_rank - ndim(tensor), sizes(tensor)
+        if layout == REPLICATE and any(size[d - offset] != 1 for d in local | whole if d >= offset):
+            return a.refuse(
+                node,
+                f"combines {tensor.name}, a value the same on every rank with a dim as long as the tokens "
+                "(a value gathered whole), with sequence data",
+                "Keep the sequence dim of both values recognizable (one dim of the sequence's length)",
+            )
     if local & whole:
         return a.refuse(
             node,

@@ -13,13 +13,14 @@ Note [A dim hidden by vmap]
     sequence combined under vmap, interleaved, and again. Whatever ``f`` does to its visible dims, the
     hidden one is mapped over independently, so the rules judge ``f``'s ops on what they see, provided
     the hidden dim is one no layout tracks, or the whole sequence of a split value (every rank holds all
-    of it, for a block of another dim): vmap over this rank's part of the sequence, or over the split
-    dim, is refused, since the batch size would then differ from rank to rank or from one device. On a
-    split value a batch size computed from the length is the whole sequence's, so it is a value
-    (global) to both ``_vmap_increment_nesting`` and ``_remove_batch_dim``, and the dim put back is a
-    sequence dim again where it is as long as the sequence. The interleaved halves end as a dim the
-    trace's guards prove as long as the sequence (``2 * ((s - 1) // 2) + 2`` where it guarded on ``s``
-    even): ``Analysis.shape`` gives such a size as the length (``symbols.provably_equal``).
+    of it, for a block of another dim) or of a replicated one (gathered whole). vmap over this rank's
+    part of the sequence, or over the split dim, is refused: the batch size would then differ from rank
+    to rank or from one device's. On a split or replicated value a batch size computed from the length
+    is the whole sequence's, so it is a value (global) to both ``_vmap_increment_nesting`` and
+    ``_remove_batch_dim``, and the dim put back is a sequence dim again where it is as long as the
+    sequence (``global`` for a replicated value). The interleaved halves end as a dim the trace's guards
+    prove as long as the sequence (``2 * ((s - 1) // 2) + 2`` where it guarded on ``s`` even):
+    ``Analysis.shape`` gives such a size as the length (``symbols.as_length``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import fx
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.fx_utils import flatten, meta_value, op_name
-from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout, shard, split
+from lightning_autosp.compiler.prove.layout import PARTIAL, REPLICATE, Layout, global_, shard, split
 from lightning_autosp.compiler.prove.plan import Decided, TokenInsertion, decide
 from lightning_autosp.compiler.prove.rules import dispatch
 from lightning_autosp.compiler.prove.rules.common import (
@@ -180,8 +181,11 @@ def vmap_batch_dim(a, node: fx.Node) -> Decided:
     if not a.has_sequence_symbol(a.size_expr(batch_size)):
         return out
     a.shape_use(batch_size)
-    if layout.is_split:  # the hidden dim was the whole sequence's (or a part of it): global sizes
+    if layout.is_split:  # the hidden dim held the whole sequence (or a part of it): global sizes
         return decide(restore_sequence_dims(a, node, out), "global_shapes")
+    if layout == REPLICATE:  # gathered whole: a dim as long as the sequence holds all of it
+        whole = [d for d, size in enumerate(a.shape(node) or ()) if size in a.lengths]
+        return decide(global_(*whole), "global_shapes")
     return a.refuse(
         node,
         f"brings back a dim of {batch_size} elements, computed from the sequence length, into a value laid "
