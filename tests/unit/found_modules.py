@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.associative_scan import associative_scan
 
 from tests.distributed.modules import VOCAB
 
@@ -213,3 +214,29 @@ class FeaturesThenMaskedAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         x = x + y.transpose(1, 2).reshape(B, T, -1)
         return F.cross_entropy(self.head(x).flatten(0, 1), batch["labels"].flatten())
+
+
+class TwoScansPooled(nn.Module):
+    """Two of torch's associative scans along the sequence, then a masked mean (fuzz seed 2026181483624,
+    shrunk). At sp=3 with batch 3 the scans run on the whole sequence for one sample per rank; the second
+    scan's odd-length halves end at a size no guard proves is the length, so the head's input came back
+    gathered whole and was multiplied with this rank's mask: a crash (23 rows against 8), now a refusal."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 3)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        h = self.embed(batch["input_ids"])
+        for _ in range(2):
+            gates = (torch.sigmoid(self.mix(h)), h)
+            h = associative_scan(
+                lambda left, right: (left[0] * right[0], right[0] * left[1] + right[1]),
+                gates,
+                dim=1,
+                combine_mode="generic",
+            )[1]
+        keep = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
+        return F.cross_entropy((self.head(h) * keep).sum(1) / keep.sum(1), batch["cls"])

@@ -18,6 +18,7 @@ from tests.unit.found_modules import (
     PooledAttention,
     StepIdioms,
     TorchEncoder,
+    TwoScansPooled,
 )
 from tests.unit.sp_graphs import simulate_compiled_step, simulate_step, single_device
 
@@ -87,3 +88,10 @@ def test_found_module_is_exact_under_inductor_and_sac(case: str) -> None:
     module = factory()
     batch = batch_of(batch_size, 23)
     assert_exact(module, batch, lambda m, b: simulate_compiled_step(m, b, 2, compiler="inductor", sac=True))
+
+
+def test_a_value_gathered_whole_meets_this_ranks_tokens_refused_not_crashed() -> None:
+    """The refusal names the op and the user's line; before, the rewritten step crashed on the sizes."""
+    torch.manual_seed(0)
+    with pytest.raises(NotImplementedError, match=r"mul at .*found_modules\.py:\d+ .* gathered whole"):
+        simulate_step(TwoScansPooled(), batch_of(3, 23), 3, whole=True)
