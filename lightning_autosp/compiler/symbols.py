@@ -181,11 +181,20 @@ def provably_equal(shape_env: object, expr: sympy.Expr, other: sympy.Expr) -> bo
     return bool(statically_known_true(symint(shape_env, expr, hints) == symint(shape_env, other, hints)))
 
 
-def as_length(shape_env: object, expr: sympy.Expr, lengths: Mapping[sympy.Symbol, int]) -> sympy.Expr:
-    """``expr``, or the multiple of a length plus a constant that the trace's guards prove it is."""
+def as_length(
+    shape_env: object, expr: sympy.Expr, lengths: Mapping[sympy.Symbol, int], pinned: bool = False
+) -> sympy.Expr:
+    """``expr``, or the multiple of a length plus a constant that the trace's guards prove it is;
+    ``pinned``: the graph is compiled for the traced lengths only, where a size that takes a length's
+    value is that length."""
     candidates = symbols_of(expr) & set(lengths)
     if not candidates or expr in lengths or affine(expr, next(iter(candidates)))[0] is not None:
         return expr
+    if pinned and shape_env is not None:
+        values = shape_env.backed_var_to_val
+        same = [symbol for symbol in candidates if expr.subs(values) == values.get(symbol)]
+        if same:
+            return same[0]
     forms = (form for symbol in candidates for form in affine_candidates(shape_env, expr, symbol))
     return next((form for form in forms if provably_equal(shape_env, expr, form)), expr)
 

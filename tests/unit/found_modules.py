@@ -220,7 +220,8 @@ class TwoScansPooled(nn.Module):
     """Two of torch's associative scans along the sequence, then a masked mean (fuzz seed 2026181483624,
     shrunk). At sp=3 with batch 3 the scans run on the whole sequence for one sample per rank; the second
     scan's odd-length halves end at a size no guard proves is the length, so the head's input came back
-    gathered whole and was multiplied with this rank's mask: a crash (23 rows against 8), now a refusal."""
+    gathered whole and was multiplied with this rank's mask: a crash (23 rows against 8). Now exact, the
+    size read as the length it equals in a graph compiled for that length only."""
 
     def __init__(self, dim: int = 24) -> None:
         super().__init__()

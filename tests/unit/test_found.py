@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.common import grad_rel_err, rel_err
+from lightning_autosp.compiler import symbols
 from tests.distributed.modules import VOCAB
 from tests.unit.found_modules import (
     FlippedMaskedMean,
@@ -90,8 +91,20 @@ def test_found_module_is_exact_under_inductor_and_sac(case: str) -> None:
     assert_exact(module, batch, lambda m, b: simulate_compiled_step(m, b, 2, compiler="inductor", sac=True))
 
 
-def test_a_value_gathered_whole_meets_this_ranks_tokens_refused_not_crashed() -> None:
-    """The refusal names the op and the user's line; before, the rewritten step crashed on the sizes."""
+def test_two_scans_on_the_whole_sequence_are_exact() -> None:
+    """Traced whole, the graph serves its traced length only, so the second scan's odd-length halves,
+    which end at a sum of floors no guard proves is the length, are read as the length they equal."""
+    torch.manual_seed(0)
+    assert_exact(TwoScansPooled(), batch_of(3, 23), lambda m, b: simulate_step(m, b, 3, whole=True))
+
+
+def test_a_value_gathered_whole_meets_this_ranks_tokens_refused_not_crashed(monkeypatch) -> None:
+    """Where that size is not read as the length (as the guards alone leave it), the head's input comes
+    back gathered whole: it is refused, naming the op and the line; it once crashed on the sizes."""
+    proven_only = symbols.as_length
+    monkeypatch.setattr(
+        symbols, "as_length", lambda env, expr, lengths, pinned=False: proven_only(env, expr, lengths)
+    )
     torch.manual_seed(0)
     with pytest.raises(NotImplementedError, match=r"mul at .*found_modules\.py:\d+ .* gathered whole"):
         simulate_step(TwoScansPooled(), batch_of(3, 23), 3, whole=True)

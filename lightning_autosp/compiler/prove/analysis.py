@@ -216,7 +216,10 @@ class Analysis:
         if expr not in self._proven_lengths:
             if self._shape_env is None:
                 self._shape_env = symbols.graph_shape_env(self.gm, self.example_inputs)
-            self._proven_lengths[expr] = symbols.as_length(self._shape_env, expr, self.lengths)
+            # a graph of whole inputs is compiled for its traced length only (Note [Tracing at the whole
+            # sequence's length]): there a size that takes the length's value is the length
+            pinned = any(tag.whole for tag in self.input_tags.values())
+            self._proven_lengths[expr] = symbols.as_length(self._shape_env, expr, self.lengths, pinned)
         return self._proven_lengths[expr]
 
     def has_sequence_symbol(self, expr: object) -> bool:
