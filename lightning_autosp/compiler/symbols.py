@@ -172,43 +172,34 @@ def symint(shape_env: object, expr: sympy.Expr, at: Mapping[sympy.Symbol, int]) 
     return shape_env.create_symintnode(expr, hint=int(expr.subs(dict(at))))
 
 
-def provably_equal(shape_env: object, expr: sympy.Expr, other: sympy.Expr) -> bool:
-    """Whether the guards of the trace prove ``expr == other`` for every value they admit (no guard is
-    added): ``2 * ((s - 1) // 2) + 2`` is ``s`` where a scan's recursion guarded on ``s`` being even."""
-    if shape_env is None or symbols_of(expr) - set(shape_env.backed_var_to_val):
-        return False
-    hints = shape_env.backed_var_to_val
-    return bool(statically_known_true(symint(shape_env, expr, hints) == symint(shape_env, other, hints)))
-
-
 def as_length(
     shape_env: object, expr: sympy.Expr, lengths: Mapping[sympy.Symbol, int], pinned: bool = False
 ) -> sympy.Expr:
-    """``expr``, or the multiple of a length plus a constant that the trace's guards prove it is;
+    """``expr``, or the multiple of a length plus a constant that the trace's guards prove it is (no guard
+    is added): ``2 * ((s - 1) // 2) + 2`` is ``s`` where a scan's recursion guarded on ``s`` being even.
     ``pinned``: the graph is compiled for the traced lengths only, where a size that takes a length's
     value is that length."""
     candidates = symbols_of(expr) & set(lengths)
     if not candidates or expr in lengths or affine(expr, next(iter(candidates)))[0] is not None:
         return expr
-    if pinned and shape_env is not None:
-        values = shape_env.backed_var_to_val
-        same = [symbol for symbol in candidates if expr.subs(values) == values.get(symbol)]
+    hints = getattr(shape_env, "backed_var_to_val", {})
+    value = expr.subs(hints)
+    if symbols_of(expr) - set(hints) or not value.is_number:
+        return expr
+    value = int(value)
+    if pinned:
+        same = [symbol for symbol in candidates if value == hints[symbol]]
         if same:
             return same[0]
-    forms = (form for symbol in candidates for form in affine_candidates(shape_env, expr, symbol))
-    return next((form for form in forms if provably_equal(shape_env, expr, form)), expr)
-
-
-def affine_candidates(shape_env: object, expr: sympy.Expr, symbol: sympy.Symbol) -> list[sympy.Expr]:
-    """``a * symbol + c`` with the a (nearest the ratio of their values in this trace) and c that ``expr``
-    takes in this trace: the forms of a multiple of a length ``expr`` may be proven to equal."""
-    if shape_env is None or symbols_of(expr) - set(shape_env.backed_var_to_val):
-        return []
-    value, length = expr.subs(shape_env.backed_var_to_val), shape_env.backed_var_to_val[symbol]
-    if not value.is_number or not length:
-        return []
-    scales = dict.fromkeys(max(1, round(int(value) / int(length)) + step) for step in (0, -1, 1))
-    return [scale * symbol + (int(value) - scale * int(length)) for scale in scales]
+    traced = symint(shape_env, expr, hints)
+    for symbol in candidates:
+        length = int(hints[symbol])
+        # the forms a * symbol + c that expr takes in this trace, a nearest the ratio of the two values
+        scales = dict.fromkeys(max(1, round(value / length) + step) for step in (0, -1, 1)) if length else {}
+        for form in (scale * symbol + (value - scale * length) for scale in scales):
+            if statically_known_true(traced == symint(shape_env, form, hints)):
+                return form
+    return expr
 
 
 def guard_at_global(

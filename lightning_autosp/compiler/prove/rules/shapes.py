@@ -38,6 +38,7 @@ from lightning_autosp.compiler.prove.rules.common import (
     ndim,
     normalize_dims,
     partial_passes,
+    reduced_positions,
     restore_sequence_dims,
     sequence_dims_of_output,
     tensor_nodes,
@@ -159,8 +160,9 @@ def pad(a, node: fx.Node) -> Decided:
 def vmap_batch_dim(a, node: fx.Node) -> Decided:
     """``torch.vmap`` as Dynamo records it (Note [A dim hidden by vmap]): ``_add_batch_dim(x, in_dim,
     level)`` hides a dim, ``_remove_batch_dim(y, level, batch_size, out_dim)`` brings it back."""
-    if node.args and a.layout(node.args[0]) == PARTIAL:
-        return PARTIAL
+    partial = partial_passes(a, node)
+    if partial:
+        return partial
     source = node.args[0]
     layout, rank = a.layout(source), ndim(source)
     if op_name(node) == "_add_batch_dim":
@@ -175,7 +177,7 @@ def vmap_batch_dim(a, node: fx.Node) -> Decided:
                 "part of the sequence (or of the heads) there",
                 "Map over a dim the sequence does not run along, or write the loop with tensor ops",
             )
-        return layout.mapped({d: None if d == hidden else d - (d > hidden) for d in range(rank)})
+        return layout.mapped(reduced_positions(rank, [hidden], keepdim=False))
     batch_size, out_dim = node.args[2], normalize_dims(node.args[3], rank + 1)[0]
     out = layout.mapped({d: d + (d >= out_dim) for d in range(rank)})
     if not a.has_sequence_symbol(a.size_expr(batch_size)):
