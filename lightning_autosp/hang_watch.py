@@ -238,7 +238,7 @@ def _state_from(trace: Mapping[str, Any], rank: int, compiling: bool) -> RankSta
             sequence=sequence,
             op=str(entry.get("profiling_name", "?")),
             since=float(entry.get("time_created_ns", 0)) / 1e9,
-            where=_issuing_frame(entry.get("frames") or []),
+            where=user_frame(entry.get("frames") or []),
         )
         if waiting is None or candidate.since < waiting.since:
             waiting = candidate
@@ -260,7 +260,7 @@ _LIBRARY_PARTS = tuple(
 _RESUMED = re.compile(r"^torch_dynamo_resume_in_(\w+)_at_\d+$")
 
 
-def _issuing_frame(frames: Sequence[Mapping[str, Any]]) -> str:
+def user_frame(frames: Sequence[Mapping[str, Any]]) -> str:
     """The innermost frame outside torch, Lightning, this package and generated code (``file:line in
     function``): the user's line. A compiled graph's collectives are issued from generated code, whose
     first caller outside those is the step that ran the graph."""

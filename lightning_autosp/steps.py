@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,6 +29,7 @@ from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mod
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.compiler.prove.plan import LengthBranchRefusal, SequenceParallelRefusal
+from lightning_autosp.compiler.runtime.eager_watch import EagerWatch
 from lightning_autosp.data import LengthClass, SequenceShard, shard_batch
 
 # What one compiled graph serves: a length class (every length with the same remainder over the sp
@@ -161,7 +163,9 @@ class CompiledSteps:
             breaks_before = collections.Counter(counters["unimplemented"])
             graph_breaks_before = collections.Counter(counters["graph_break"])
             whole = None
-            with _tracing_settings(), _recompiles_limited(len(compiled)), _collectives_kept_apart():
+            # Note [Eager code between graphs]
+            watch = EagerWatch(backend.tags) if shard is not None else contextlib.nullcontext()
+            with _tracing_settings(), _recompiles_limited(len(compiled)), _collectives_kept_apart(), watch:
                 try:
                     output = compiled[region](*args, **kwargs)
                 except FailOnRecompileLimitHit as error:
@@ -207,8 +211,22 @@ class CompiledSteps:
                 if isinstance(region, LengthClass) and one_length:
                     self._per_length[name] = one_length[0]  # the next length gets a region of its own
             if shard is not None:
-                breaks = list(counters["unimplemented"] - breaks_before)
-                check_sequence_parallel_applied(name, backend, frames_not_compiled() - skipped, breaks)
+                check_sequence_parallel_applied(
+                    name,
+                    backend,
+                    EagerEvidence(
+                        skipped_frames=frames_not_compiled() - skipped,
+                        graph_breaks=list(counters["unimplemented"] - breaks_before),
+                        resumed_breaks=list(counters["graph_break"] - graph_breaks_before),
+                        eager_calls=watch.calls,
+                        length_outputs=[
+                            f"{output} of graph {index}"
+                            for index, report in enumerate(backend.reports)
+                            if index >= graphs_before
+                            for output in report.length_outputs
+                        ],
+                    ),
+                )
             if first_call and name == "training_step" and os.environ.get("AUTOSP_DEBUG") == "1":
                 rank_zero_info(
                     f"AutoSP (AUTOSP_DEBUG=1), after the first {name} of this layout:\n{self.explain()}"
@@ -368,18 +386,58 @@ def _ring_description(shard: SequenceShard) -> str:
     return f", ulysses {shard.ulysses_degree} x ring {shard.ring_degree} ({layout})"
 
 
-def check_sequence_parallel_applied(
-    step_name: str, backend: AutoSPBackend, skipped_frames: int, graph_breaks: Sequence[str] = ()
-) -> None:
-    """Raise if part of a step ran outside the SP pass; ``graph_breaks``: Dynamo's reasons for it."""
-    # Every rank runs the same graphs, so every rank raises here alike: nobody is left in a collective.
-    if skipped_frames:
-        reasons = _graph_break_reasons(graph_breaks)
+@dataclass(frozen=True)
+class EagerEvidence:
+    """What one call of a step ran outside the SP pass (Note [Eager code between graphs])."""
+
+    skipped_frames: int  # frames Dynamo gave up on: they ran eagerly
+    graph_breaks: Sequence[str] = ()  # Dynamo's reasons, for every break and frame given up on
+    resumed_breaks: Sequence[str] = ()  # those of breaks Dynamo resumed after (their instruction ran eagerly)
+    eager_calls: Sequence[str] = ()  # torch calls outside the graphs on sequence data (EagerWatch)
+    length_outputs: Sequence[str] = ()  # graph outputs that hand eager code this rank's length
+
+    def unseen(self) -> list[str]:
+        """Why the eager code of frames Dynamo gave up on may hold sequence data the watch cannot see."""
+        other = [b for b in self.resumed_breaks if not _reads_one_value(b)]
+        why = [f"a graph break the watch cannot see into ({_graph_break_reasons(other, 1)})"] if other else []
+        if self.length_outputs:
+            why.append(f"a sequence length handed to eager code ({', '.join(self.length_outputs)})")
+        return why
+
+
+def _reads_one_value(graph_break: str) -> bool:
+    """Whether Dynamo's reason for a graph break is a branch on a tensor's value or a read of it as a
+    Python number (``bool``, ``item``: ``_local_scalar_dense``), which one device can do only to a tensor
+    of one element (Note [Eager code between graphs])."""
+    kind, _, rest = graph_break.partition("\n")
+    if kind == "Data-dependent branching":
+        return True
+    return kind == "Data dependent operator" and "`aten._local_scalar_dense.default`" in rest.split("\n")[0]
+
+
+def check_sequence_parallel_applied(step_name: str, backend: AutoSPBackend, evidence: EagerEvidence) -> None:
+    """Raise if part of a step computed on sequence data outside the SP pass, or may have."""
+    # Every rank runs the same graphs and Python, so every rank raises here alike: nobody is left in a
+    # collective.
+    fell_back = ""
+    if evidence.skipped_frames:
+        reasons = _graph_break_reasons(evidence.graph_breaks)
+        reasons = f": {reasons}" if reasons else ""
+        fell_back = f" ({evidence.skipped_frames} frame(s) fell back to eager{reasons})"
+    if evidence.eager_calls:
         raise RuntimeError(
-            f"torch.compile could not compile part of {step_name} ({skipped_frames} frame(s) fell back to "
-            f"eager{f': {reasons}' if reasons else ''}), and code outside compiled graphs runs without "
-            "sequence parallelism. Remove the graph break (TORCH_LOGS=graph_breaks shows where) or move it "
-            "out of the loop."
+            f"{step_name} computed on this rank's part of the sequence outside the compiled graphs"
+            f"{fell_back}: {'; '.join(evidence.eager_calls)}. Code that runs eagerly (a frame torch.compile "
+            "could not compile, a function under torch.compiler.disable) sees this rank's tokens only. "
+            "Remove the graph break (TORCH_LOGS=graph_breaks shows where) or move it out of the loop."
+        )
+    unseen = evidence.unseen() if evidence.skipped_frames else []
+    if unseen:
+        raise RuntimeError(
+            f"torch.compile could not compile part of {step_name}{fell_back}, and code outside compiled "
+            f"graphs runs without sequence parallelism; AutoSP cannot tell that it leaves the sequence "
+            f"alone: {'; '.join(unseen)}. Remove the graph break (TORCH_LOGS=graph_breaks shows where) or "
+            "move it out of the loop."
         )
     if not backend.reports:
         raise RuntimeError(

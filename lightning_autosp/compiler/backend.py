@@ -23,6 +23,7 @@ from lightning_autosp.compiler.partition.ordering import CollectiveOrder
 from lightning_autosp.compiler.partition.sac import DEFAULT_TILE_BYTES, SACReport, SequenceAwarePartitioner
 from lightning_autosp.compiler.prove.layout import SequenceTags, Tag, shard
 from lightning_autosp.compiler.runtime.agreement import Outcome, agree, gather, graph_signature
+from lightning_autosp.compiler.runtime.eager_watch import running_compiled
 from lightning_autosp.compiler.sp_pass import SPReport, sequence_parallel_pass
 from lightning_autosp.compiler.symbols import graph_shape_env
 from lightning_autosp.compiler.whole_sequence import local_example_inputs, taking_shards
@@ -210,9 +211,11 @@ class AutoSPBackend:
             )(gm, example_inputs)
         if whole is not None:
             compiled = taking_shards(compiled, whole, self.context.shard)
-        if self.context is not None:
-            share_length_guards(report, graph_shape_env(gm, example_inputs), self.context.group_name)
-        if self.context is None or not any(output_tags):
+        if self.context is None:
+            return compiled
+        share_length_guards(report, graph_shape_env(gm, example_inputs), self.context.group_name)
+        compiled = running_compiled(compiled)  # Note [Eager code between graphs] in eager_watch.py
+        if not any(output_tags):
             return compiled
         if not report.length_symbols or not any(report.output_tag_sizes):
             return tagging_outputs(compiled, lambda: output_tags, self.tags)

@@ -78,6 +78,9 @@ class SPReport:
     output_tag_sizes: list[tuple[sympy.Expr, ...] | None] = field(default_factory=list)
     # Inputs holding the whole sequence, which the compiled graph cuts on entry (whole_sequence.py)
     whole: WholeLengths | None = None
+    # Outputs that are a size in the sequence symbol: eager code after the graph reads this rank's
+    # (Note [Eager code between graphs] in runtime/eager_watch.py)
+    length_outputs: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = [*self.normalized]
@@ -147,6 +150,9 @@ def sequence_parallel_pass(
         analysis.lower_for_every_length(shape_env, substitution, hints)
         report.length_symbols, report.length_substitution = list(substitution), dict(substitution)
     report.output_tags = list(analysis.output_tags)
+    report.length_outputs = [
+        n.name for n in analysis.output_nodes if isinstance(n, fx.Node) and n in analysis.sizes
+    ]
 
     copier = GlobalCopier(gm, analysis, ctx)
     for node, call in analysis.plan.attention.items():  # whole masks first, from the graph as traced

@@ -251,6 +251,7 @@ CASES.update(
         ),
         # the last 16 of 25 tokens: a branch on the length (traced again whole), then a fixed-length sequence
         "idiom_truncate_auto": Case(SequenceIdiomGPT, {"idiom": "truncate_to_fixed_length"}, seq_len=25),
+        "idiom_refused_eager_token_mean": Case(SequenceIdiomGPT, {"idiom": "eager_token_mean"}),
         "idiom_chunked_scan_whole": Case(
             SequenceIdiomGPT, {"idiom": "chunked_scan"}, seq_len=25, strategy_kwargs={**WHOLE, **INDUCTOR}
         ),

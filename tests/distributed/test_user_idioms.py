@@ -35,6 +35,9 @@ EXACT = [
 ]
 REFUSED = {
     "idiom_refused_branch_on_length": "branched on the sequence length",
+    # a helper under torch.compiler.disable takes a mean over this rank's tokens: silently wrong before the
+    # watch (Note [Eager code between graphs])
+    "idiom_refused_eager_token_mean": "computed on this rank's part of the sequence outside the compiled",
 }
 
 

@@ -297,6 +297,12 @@ class LitGPTModule(_SGD):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
+@torch.compiler.disable
+def eager_token_mean(x: torch.Tensor) -> torch.Tensor:
+    """A helper left out of the compiled graph: run eagerly, it sees this rank's tokens only."""
+    return x.mean(dim=1, keepdim=True)
+
+
 def chunked_running_sum(x: torch.Tensor, chunk: int = 4) -> torch.Tensor:
     """A running sum over the sequence, computed chunk by chunk in a Python loop over the chunk count of the
     sequence padded to whole chunks: how the torch paths of hybrids' scans (Qwen3-Next's gated delta rule)
@@ -331,6 +337,8 @@ class SequenceIdiomGPT(_SGD):
     dim order and ``rows_flattened_two_ways`` adds rows flattened in two orders (both refused: Note [Views
     of flattened tokens]). ``truncate_to_fixed_length``: ``if T > 16: ids = ids[:, -16:]``, a branch on the
     length and a sequence of a fixed number of tokens after it, mixed by a running sum.
+    ``eager_token_mean``: a mean over the tokens in a function under ``torch.compiler.disable``, which runs
+    eagerly on this rank's tokens (refused: Note [Eager code between graphs]).
     """
 
     def __init__(self, idiom: str, dim: int = 32) -> None:
@@ -369,6 +377,8 @@ class SequenceIdiomGPT(_SGD):
                 dim=1,
                 combine_mode="generic",
             )
+        elif self.idiom == "eager_token_mean":  # refused: eager code between graphs on sequence data
+            x = x + eager_token_mean(x)
         elif self.idiom == "every_other_token":  # aten's slice with a step, as torch's own scans write it
             x = x + torch.ops.aten.slice.Tensor(x, 1, 0, None, 2).mean(dim=1, keepdim=True)
         elif self.idiom == "insert_token":

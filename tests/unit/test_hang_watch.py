@@ -14,9 +14,9 @@ from lightning_autosp.hang_watch import (
     HangWatch,
     RankState,
     Waiting,
-    _issuing_frame,
     _state_from,
     hang_report,
+    user_frame,
 )
 
 NOW = 1000.0
@@ -97,7 +97,7 @@ def test_a_compiled_graphs_collective_is_placed_at_the_step_that_ran_it():
         {"name": "run", "filename": "/x/lightning_autosp/compiler/backend.py", "line": 218},
         {"name": "torch_dynamo_resume_in_training_step_at_75", "filename": "/home/me/train.py", "line": 75},
     ]
-    assert _issuing_frame(frames) == "/home/me/train.py:75 in training_step (inside its compiled graph)"
+    assert user_frame(frames) == "/home/me/train.py:75 in training_step (inside its compiled graph)"
 
 
 def test_the_watch_sees_dynamo_compile_and_publishes_it(tmp_path):

@@ -14,9 +14,15 @@ import pytest
 import torch
 
 from lightning_autosp.compiler.backend import AutoSPBackend
+from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.compiler.prove.plan import LengthBranchRefusal, SequenceParallelRefusal
 from lightning_autosp.data import SequenceShard
-from lightning_autosp.steps import RECOMPILES_PER_LAYOUT, CompiledSteps, check_sequence_parallel_applied
+from lightning_autosp.steps import (
+    RECOMPILES_PER_LAYOUT,
+    CompiledSteps,
+    EagerEvidence,
+    check_sequence_parallel_applied,
+)
 
 
 class Model(torch.nn.Module):
@@ -80,7 +86,8 @@ def test_a_frame_left_to_eager_is_explained_by_dynamos_reason() -> None:
     with pytest.raises(
         RuntimeError, match=r"1 frame\(s\) fell back to eager: Failed to trace builtin"
     ) as error:
-        check_sequence_parallel_applied("training_step", backend, 1, breaks)
+        evidence = EagerEvidence(1, breaks, eager_calls=["mul on a tensor of layout shard(0) at x.py:2"])
+        check_sequence_parallel_applied("training_step", backend, evidence)
     assert "graph break in loop" in str(error.value)
     assert "frame skipped: _prints_in_a_loop" in str(error.value)
 
@@ -91,10 +98,13 @@ class _OneLengthBackend:
 
     def __init__(self, context: object) -> None:
         self.context, self.reports, self.sac_reports, self.loss_reports = context, [], [], []
+        self.tags = SequenceTags()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
         why = "compiling it fixed the length (Eq(s0, 5))"
-        self.reports.append(SimpleNamespace(one_length=why, lines=lambda: [f"this length only: {why}"]))
+        self.reports.append(
+            SimpleNamespace(one_length=why, lines=lambda: [f"this length only: {why}"], length_outputs=[])
+        )
         return gm.forward
 
 

@@ -14,7 +14,7 @@ import lightning_autosp
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.sp_pass import SPReport
 from lightning_autosp.mesh import check_sp_size
-from lightning_autosp.steps import check_sequence_parallel_applied
+from lightning_autosp.steps import EagerEvidence, check_sequence_parallel_applied
 from lightning_autosp.strategy import AutoSPStrategy
 
 CPU = torch.device("cpu")
@@ -149,23 +149,46 @@ def _backend(*reports: SPReport) -> AutoSPBackend:
 
 
 def test_check_passes_with_attention() -> None:
-    check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport(attention=["sdpa"])), 0)
+    check_sequence_parallel_applied(
+        "training_step", _backend(SPReport(), SPReport(attention=["sdpa"])), EagerEvidence(0)
+    )
 
 
 def test_a_step_without_attention_is_fine() -> None:
     # every op that mixes tokens is rewritten or refused by the analysis, attention or not (a sort, a scan)
-    check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport()), 0)
+    check_sequence_parallel_applied("training_step", _backend(SPReport(), SPReport()), EagerEvidence(0))
 
 
 def test_check_backend_never_called() -> None:
     with pytest.raises(RuntimeError, match="without calling the AutoSP backend"):
-        check_sequence_parallel_applied("validation_step", _backend(), 0)
+        check_sequence_parallel_applied("validation_step", _backend(), EagerEvidence(0))
+
+
+_BRANCH = "Data-dependent branching\n  Explanation: Detected data-dependent branching"
+_TOLIST = "Unsupported Tensor.tolist() call\n  Explanation: Dynamo does not support tolist"
 
 
 def test_check_frames_fell_back_to_eager() -> None:
+    """Frames Dynamo gave up on pass only where nothing eager can have read sequence data unseen (Note
+    [Eager code between graphs]): a break the watch cannot see into, or a length handed to eager code."""
     backend = _backend(SPReport(attention=["sdpa"]))
-    with pytest.raises(RuntimeError, match=r"training_step \(2 frame\(s\) fell back to eager"):
-        check_sequence_parallel_applied("training_step", backend, 2)
+    with pytest.raises(RuntimeError, match=r"training_step \(2 frame\(s\) fell back to eager") as error:
+        check_sequence_parallel_applied("training_step", backend, EagerEvidence(2, resumed_breaks=[_TOLIST]))
+    assert "a graph break the watch cannot see into (Unsupported Tensor.tolist() call" in str(error.value)
+    with pytest.raises(RuntimeError, match="a sequence length handed to eager code .sym_size_int of graph 0"):
+        check_sequence_parallel_applied(
+            "training_step", backend, EagerEvidence(2, length_outputs=["sym_size_int of graph 0"])
+        )
+    # a branch on a tensor's value reads a replicated graph output: the step stands
+    check_sequence_parallel_applied("training_step", backend, EagerEvidence(2, resumed_breaks=[_BRANCH]))
+
+
+def test_check_eager_calls_on_sequence_data() -> None:
+    backend = _backend(SPReport(attention=["sdpa"]))
+    call = "mean on a tensor of layout shard(1) at /home/me/train.py:7 in helper"
+    with pytest.raises(RuntimeError, match="computed on this rank's part of the sequence outside") as error:
+        check_sequence_parallel_applied("training_step", backend, EagerEvidence(0, eager_calls=[call]))
+    assert call in str(error.value)
 
 
 def test_explain_before_compiling() -> None:
