@@ -29,7 +29,7 @@ from lightning_autosp.compiler.backend import AutoSPBackend, active_dispatch_mod
 from lightning_autosp.compiler.context import SPContext
 from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.compiler.prove.plan import LengthBranchRefusal, SequenceParallelRefusal
-from lightning_autosp.compiler.runtime.eager_watch import EagerWatch
+from lightning_autosp.compiler.runtime.eager_watch import EagerWatch, graph_breaks_inside_the_watch
 from lightning_autosp.data import LengthClass, SequenceShard, shard_batch
 
 # What one compiled graph serves: a length class (every length with the same remainder over the sp
@@ -164,8 +164,16 @@ class CompiledSteps:
             graph_breaks_before = collections.Counter(counters["graph_break"])
             whole = None
             # Note [Eager code between graphs]
-            watch = EagerWatch(backend.tags) if shard is not None else contextlib.nullcontext()
-            with _tracing_settings(), _recompiles_limited(len(compiled)), _collectives_kept_apart(), watch:
+            watched = shard is not None
+            watch = EagerWatch(backend.tags) if watched else contextlib.nullcontext()
+            breaks_inside = graph_breaks_inside_the_watch() if watched else contextlib.nullcontext([])
+            with (
+                _tracing_settings(),
+                _recompiles_limited(len(compiled)),
+                _collectives_kept_apart(),
+                watch,
+                breaks_inside as blind_breaks,
+            ):
                 try:
                     output = compiled[region](*args, **kwargs)
                 except FailOnRecompileLimitHit as error:
@@ -217,7 +225,7 @@ class CompiledSteps:
                     EagerEvidence(
                         skipped_frames=frames_not_compiled() - skipped,
                         graph_breaks=list(counters["unimplemented"] - breaks_before),
-                        resumed_breaks=list(counters["graph_break"] - graph_breaks_before),
+                        blind_breaks=blind_breaks,
                         eager_calls=watch.calls,
                         length_outputs=[
                             f"{output} of graph {index}"
@@ -392,27 +400,34 @@ class EagerEvidence:
 
     skipped_frames: int  # frames Dynamo gave up on: they ran eagerly
     graph_breaks: Sequence[str] = ()  # Dynamo's reasons, for every break and frame given up on
-    resumed_breaks: Sequence[str] = ()  # those of breaks Dynamo resumed after (their instruction ran eagerly)
+    blind_breaks: Sequence[str] = ()  # Dynamo's reasons for breaks on a torch call, whose call the watch
+    # cannot see (graph_breaks_inside_the_watch)
     eager_calls: Sequence[str] = ()  # torch calls outside the graphs on sequence data (EagerWatch)
     length_outputs: Sequence[str] = ()  # graph outputs that hand eager code this rank's length
 
     def unseen(self) -> list[str]:
         """Why the eager code of frames Dynamo gave up on may hold sequence data the watch cannot see."""
-        other = [b for b in self.resumed_breaks if not _reads_one_value(b)]
-        why = [f"a graph break the watch cannot see into ({_graph_break_reasons(other, 1)})"] if other else []
+        other = [_break_kind(b) for b in self.blind_breaks if not _reads_one_value(b)]
+        why = [f"a graph break on a torch call the watch cannot see into ({other[0]})"] if other else []
         if self.length_outputs:
             why.append(f"a sequence length handed to eager code ({', '.join(self.length_outputs)})")
         return why
 
 
-def _reads_one_value(graph_break: str) -> bool:
-    """Whether Dynamo's reason for a graph break is a branch on a tensor's value or a read of it as a
-    Python number (``bool``, ``item``: ``_local_scalar_dense``), which one device can do only to a tensor
-    of one element (Note [Eager code between graphs])."""
-    kind, _, rest = graph_break.partition("\n")
-    if kind == "Data-dependent branching":
-        return True
-    return kind == "Data dependent operator" and "`aten._local_scalar_dense.default`" in rest.split("\n")[0]
+def _break_kind(reason: str) -> str:
+    """Dynamo's name for a graph break, from its reason (``Encountered graph break when ...:`` first)."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    return next((line for line in lines if not line.startswith("Encountered graph break")), reason)
+
+
+def _reads_one_value(reason: str) -> bool:
+    """Whether Dynamo's reason for a graph break on a torch call is a read of a tensor's value as a Python
+    number (``bool``, ``item``: ``_local_scalar_dense``), which one device can do only to a tensor of one
+    element (Note [Eager code between graphs])."""
+    kind = _break_kind(reason)
+    return kind == "Data-dependent branching" or (
+        kind == "Data dependent operator" and "`aten._local_scalar_dense.default`" in reason
+    )
 
 
 def check_sequence_parallel_applied(step_name: str, backend: AutoSPBackend, evidence: EagerEvidence) -> None:

@@ -10,7 +10,11 @@ import inspect
 import torch
 
 from lightning_autosp.compiler.prove.layout import REPLICATE, SequenceTags, Tag, shard
-from lightning_autosp.compiler.runtime.eager_watch import EagerWatch, running_compiled
+from lightning_autosp.compiler.runtime.eager_watch import (
+    EagerWatch,
+    graph_breaks_inside_the_watch,
+    running_compiled,
+)
 from lightning_autosp.data import SequenceShard
 from tests.unit.sp_graphs import pass_on
 
@@ -70,3 +74,22 @@ def test_a_graph_that_hands_on_a_length_reports_it() -> None:
     assert len(report.length_outputs) == 1, report.length_outputs
     _, report, _ = pass_on(lambda tokens: tokens.sum(), SequenceShard.balanced(12, 2, 0), torch.randn(2, 6))
     assert report.length_outputs == []
+
+
+@torch.compiler.disable
+def _eager_helper(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def _breaking_step(x: torch.Tensor) -> torch.Tensor:
+    rows = (x * 2).tolist()  # a break on a torch call: it runs inside the watch's inlined function
+    if x.sum() > 0:  # a branch on a value: the instruction runs in the step's own frame
+        x = x + 1
+    return _eager_helper(x) + torch.tensor(rows)  # a break on a call Dynamo does not trace
+
+
+def test_graph_breaks_on_a_torch_call_are_told_apart() -> None:
+    torch._dynamo.reset()
+    with EagerWatch(SequenceTags()), graph_breaks_inside_the_watch() as inside:
+        torch.compile(_breaking_step, backend=_compiled_graphs)(torch.ones(2, 3))
+    assert len(inside) == 1 and "Tensor.tolist()" in inside[0], inside

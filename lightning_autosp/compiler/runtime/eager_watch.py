@@ -14,14 +14,17 @@ Note [Eager code between graphs]
     all-reduced largest position, a sequence gathered whole) reads the same as on one device.
 
     The mode does not see everything. Dynamo inlines its ``__torch_function__`` into the graphs it
-    traces, and where a graph breaks *on* a torch call (``x.tolist()``, ``x.item()``, the ``bool()`` of a
-    branch) that call runs eagerly inside the inlined function, where the mode is off. Of those, a step
-    with frames Dynamo gave up on may hold only reads of a tensor's value as a Python number (a branch on
-    it, ``bool()``, ``item()``: Dynamo names the break "Data-dependent branching" or the operator
-    ``_local_scalar_dense``). One device reads a tensor's value only where it has one element, so the
-    value holds no part of a sequence longer than one token, and the pass hands it on replicated. Nor
-    does the mode see Python numbers: a graph that hands eager code a length (a size in the sequence
-    symbol) hands it this rank's, and the SP pass reports those (``SPReport.length_outputs``).
+    traces, and where a graph breaks *on* a torch call (``x.tolist()``, ``x.item()``) that call runs
+    eagerly inside the inlined function, where the mode is off. Dynamo's graph-break log names where
+    each break is, so those breaks are known (``graph_breaks_inside_the_watch``); a break elsewhere (a
+    call Dynamo cannot trace, a branch on a tensor's value) runs its instruction where the mode is on.
+    Of the breaks on a torch call, a step with frames Dynamo gave up on may hold only reads of a
+    tensor's value as a Python number (``bool()``, ``item()``: Dynamo names the operator
+    ``_local_scalar_dense``); so may the branch on a value (whose ``bool()`` the mode does not see
+    either). One device reads a tensor's value only where it has one element, so the value holds no
+    part of a sequence longer than one token, and the pass hands it on replicated. Nor does the mode see
+    Python numbers: a graph that hands eager code a length (a size in the sequence symbol) hands it this
+    rank's, and the SP pass reports those (``SPReport.length_outputs``).
     ``check_sequence_parallel_applied`` in ``steps.py`` accepts a step with frames Dynamo gave up on only
     where none of the three shows.
 
@@ -31,10 +34,13 @@ Note [Eager code between graphs]
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning
@@ -58,6 +64,9 @@ _LAYOUT_AWARE = (
     os.path.dirname(lightning_utilities.__file__) + os.sep,
 )
 _MOST = 3  # eager calls a refusal names
+_THIS_FILE = os.path.realpath(__file__)
+_GRAPH_BREAK_LOG = "torch._dynamo.symbolic_convert.__graph_breaks"  # Dynamo's graph_breaks artifact
+_BREAK_SITE = re.compile(r"in user code at (?P<file>[^\n]+):\d+\nGraph Break Reason: (?P<reason>.*)", re.S)
 # What a tensor holding part of the sequence says alike on every rank and on one device: its type, not
 # its sizes or values. FSDP2's hooks around a unit the user sharded read its inputs' type and register
 # gradient hooks on them.
@@ -82,6 +91,33 @@ def running_compiled(compiled: Callable) -> Callable:
 
     run._boxed_call = boxed  # Dynamo passes a boxed function its inputs as one list
     return run
+
+
+@contextlib.contextmanager
+def graph_breaks_inside_the_watch() -> Iterator[list[str]]:
+    """Dynamo's reasons for the graph breaks it makes inside ``EagerWatch.__torch_function__`` while the
+    block runs: breaks on a torch call, whose eager call the watch cannot see (Note [Eager code between
+    graphs]). Read from Dynamo's graph-break log, which names where each break is; the log is taken for
+    the block only, and not printed."""
+    log = logging.getLogger(_GRAPH_BREAK_LOG)
+    found: list[str] = []
+
+    class Sites(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            match = _BREAK_SITE.search(record.getMessage())
+            if match and os.path.realpath(match["file"]) == _THIS_FILE:
+                found.append(match["reason"])
+
+    handler, level, propagate = Sites(), log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        yield found
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
 
 
 def _called_by_a_layout_aware_caller() -> bool:
