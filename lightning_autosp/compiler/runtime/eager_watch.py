@@ -98,7 +98,7 @@ def graph_breaks_inside_the_watch() -> Iterator[list[str]]:
     """Dynamo's reasons for the graph breaks it makes inside ``EagerWatch.__torch_function__`` while the
     block runs: breaks on a torch call, whose eager call the watch cannot see (Note [Eager code between
     graphs]). Read from Dynamo's graph-break log, which names where each break is; the log is taken for
-    the block only, and not printed."""
+    the block only, and printed only where the user asked for it (``TORCH_LOGS=graph_breaks``)."""
     log = logging.getLogger(_GRAPH_BREAK_LOG)
     found: list[str] = []
 
@@ -110,8 +110,9 @@ def graph_breaks_inside_the_watch() -> Iterator[list[str]]:
 
     handler, level, propagate = Sites(), log.level, log.propagate
     log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    log.propagate = False
+    if not log.isEnabledFor(logging.DEBUG):  # TORCH_LOGS=graph_breaks not set: taken, not printed
+        log.setLevel(logging.DEBUG)
+        log.propagate = False
     try:
         yield found
     finally:
