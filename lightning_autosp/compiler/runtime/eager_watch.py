@@ -93,6 +93,19 @@ def running_compiled(compiled: Callable) -> Callable:
     return run
 
 
+class _BreaksInsideTheWatch(logging.Handler):
+    """Keeps the reason of each graph break Dynamo logs as made in this file (``EagerWatch``'s function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = _BREAK_SITE.search(record.getMessage())
+        if match and os.path.realpath(match["file"]) == _THIS_FILE:
+            self.reasons.append(match["reason"])
+
+
 @contextlib.contextmanager
 def graph_breaks_inside_the_watch() -> Iterator[list[str]]:
     """Dynamo's reasons for the graph breaks it makes inside ``EagerWatch.__torch_function__`` while the
@@ -100,21 +113,13 @@ def graph_breaks_inside_the_watch() -> Iterator[list[str]]:
     graphs]). Read from Dynamo's graph-break log, which names where each break is; the log is taken for
     the block only, and printed only where the user asked for it (``TORCH_LOGS=graph_breaks``)."""
     log = logging.getLogger(_GRAPH_BREAK_LOG)
-    found: list[str] = []
-
-    class Sites(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            match = _BREAK_SITE.search(record.getMessage())
-            if match and os.path.realpath(match["file"]) == _THIS_FILE:
-                found.append(match["reason"])
-
-    handler, level, propagate = Sites(), log.level, log.propagate
+    handler, level, propagate = _BreaksInsideTheWatch(), log.level, log.propagate
     log.addHandler(handler)
     if not log.isEnabledFor(logging.DEBUG):  # TORCH_LOGS=graph_breaks not set: taken, not printed
         log.setLevel(logging.DEBUG)
         log.propagate = False
     try:
-        yield found
+        yield handler.reasons
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
