@@ -252,6 +252,14 @@ def _take(
 
 def find_sequence_length(batch: Any, seq_dim: int, sequence_keys: Sequence[str] | None) -> int:
     """The global sequence length: of ``input_ids`` (or ``sequence_keys``), else of the first token tensor."""
+    return find_sequence(batch, seq_dim, sequence_keys)[0]
+
+
+def find_sequence(
+    batch: Any, seq_dim: int, sequence_keys: Sequence[str] | None
+) -> tuple[int, tuple[int, ...]]:
+    """The global sequence length and the batch's dims before ``seq_dim``, both read from the tensor that
+    defines the sequence: ``input_ids`` (or ``sequence_keys``), else the first token tensor."""
     if isinstance(batch, Mapping):
         keys = list(sequence_keys) if sequence_keys else [k for k in ("input_ids",) if k in batch]
         missing = [k for k in keys if k not in batch]
@@ -264,12 +272,12 @@ def find_sequence_length(batch: Any, seq_dim: int, sequence_keys: Sequence[str] 
                 "Pad them to one length in the collate function."
             )
         if lengths:
-            return next(iter(lengths.values()))
+            return next(iter(lengths.values())), tuple(batch[keys[0]].shape[:seq_dim])
     tensors: list[Tensor] = []
     apply_to_collection(batch, Tensor, tensors.append)
     for tensor in tensors:
         if tensor.dim() > seq_dim and not tensor.is_floating_point():
-            return tensor.shape[seq_dim]
+            return tensor.shape[seq_dim], tuple(tensor.shape[:seq_dim])
     shapes = [tuple(t.shape) for t in tensors]
     raise ValueError(
         f"No tensor in the batch has a sequence dimension seq_dim={seq_dim} (tensor shapes: {shapes}). "
@@ -298,16 +306,30 @@ def check_sequence_length(global_len: int, sp_size: int) -> None:
         )
 
 
-def sequence_dim(tensor: Tensor, seq_dim: int, global_len: int) -> int | None:
+def sequence_dim(
+    tensor: Tensor, seq_dim: int, global_len: int, batch_dims: tuple[int, ...] | None = None
+) -> int | None:
     """The dim of ``tensor`` that carries the sequence: ``seq_dim`` when it has the sequence's length; else
     the one later dim that has it (Qwen2-VL's multimodal ``position_ids``, [B, 3, S] or [3, B, S]); None
-    when no dim or several later dims have it (a pairwise mask [B, 1, S, S] stays whole)."""
+    when no dim or several later dims have it (a pairwise mask [B, 1, S, S] stays whole).
+
+    With ``batch_dims`` (the sequence tensor's dims before ``seq_dim``), a length alone is not taken for a
+    sequence: at ``seq_dim`` the dims before it must be the batch's (or 1, broadcast), and before a later
+    dim the batch size (or 1) must appear. So a feature tensor [N, F] whose width F happens to equal the
+    sequence length, with N not the batch size (a multimodal model's image features), stays whole."""
     if tensor.dim() <= seq_dim:
         return None
     if tensor.shape[seq_dim] == global_len:
-        return seq_dim
+        leading = tensor.shape[:seq_dim]
+        if batch_dims is None or len(batch_dims) != len(leading):
+            return seq_dim
+        return seq_dim if all(size in (batch, 1) for size, batch in zip(leading, batch_dims)) else None
     later = [d for d in range(seq_dim + 1, tensor.dim()) if tensor.shape[d] == global_len]
-    return later[0] if len(later) == 1 else None
+    if len(later) != 1:
+        return None
+    if batch_dims and not ({*batch_dims, 1} & set(tensor.shape[: later[0]])):
+        return None
+    return later[0]
 
 
 def shard_batch(
@@ -328,17 +350,18 @@ def shard_batch(
 
     A tensor carries the sequence along the dim :func:`sequence_dim` finds: ``seq_dim`` when it has the
     global sequence length (the length of ``input_ids``, or of ``sequence_keys``), else the one later dim
-    that has it. Shapes: [B, S, ...] -> [B, S_r, ...]; [B, 3, S] -> [B, 3, S_r]. With ``ring_degree`` > 1
-    the slice follows ``ring_layout`` (Note [Ring layouts]). ``on_shard`` is called with every slice kept
-    and its sequence dim (the strategy tags them for the compiler). A sequence shorter than
-    :func:`check_sequence_length` allows raises before any tensor is sliced.
+    that has it, its dims before it lining up with the batch's. Shapes: [B, S, ...] -> [B, S_r, ...];
+    [B, 3, S] -> [B, 3, S_r]. With ``ring_degree`` > 1 the slice follows ``ring_layout`` (Note [Ring
+    layouts]). ``on_shard`` is called with every slice kept and its sequence dim (the strategy tags them
+    for the compiler). A sequence shorter than :func:`check_sequence_length` allows raises before any
+    tensor is sliced.
     """
-    global_len = find_sequence_length(batch, seq_dim, sequence_keys)
+    global_len, batch_dims = find_sequence(batch, seq_dim, sequence_keys)
     check_sequence_length(global_len, world)
     shard = SequenceShard.for_ring(global_len, world, rank, ring_degree, ring_layout)
 
     def narrow(tensor: Tensor) -> Tensor:
-        dim = sequence_dim(tensor, seq_dim, global_len)
+        dim = sequence_dim(tensor, seq_dim, global_len, batch_dims)
         if dim is None:
             return tensor
         local = tensor if whole else shard.take(tensor, dim)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-from lightning_autosp.data import find_sequence_length, sequence_dim
+from lightning_autosp.data import find_sequence, sequence_dim
 
 # Odd multiplier of Knuth's multiplicative hash: positions weighted by it make a swap of two tokens
 # change the sum.
@@ -42,14 +42,14 @@ def sample_digest(
     The sequence tensors are those the strategy shards (``data.sequence_dim``). A batch
     without a sequence gives a length of -1 (its own error is raised after the ranks have compared)."""
     try:
-        global_len = find_sequence_length(batch, seq_dim, sequence_keys)
+        global_len, batch_dims = find_sequence(batch, seq_dim, sequence_keys)
     except ValueError:
         return torch.tensor([_NO_SEQUENCE, 0, 0], dtype=torch.int64, device=device)
     tensors: list[torch.Tensor] = []
     apply_to_collection(
         batch,
         torch.Tensor,
-        lambda t: tensors.append(t) if sequence_dim(t, seq_dim, global_len) is not None else None,
+        lambda t: tensors.append(t) if sequence_dim(t, seq_dim, global_len, batch_dims) is not None else None,
     )
     combined = torch.zeros((), dtype=torch.int64, device=device)
     for index, tensor in enumerate(tensors):

@@ -99,7 +99,8 @@ class AutoSPStrategy(ShardedCheckpoints, DDPStrategy):
             attention's work) or "contiguous" (Note [Ring layouts] in ``data.py``).
         seq_dim: the sequence dimension of the batch's token tensors.
         sequence_keys: batch keys whose length defines the sequence (default: ``input_ids``, else
-            the first integer tensor); every tensor with that length along ``seq_dim`` is sharded.
+            the first integer tensor); every tensor with that length along ``seq_dim``, and the batch's
+            dims before it (or 1), is sharded.
         compiler: "inductor" (default) or "aot_eager" (same passes, no code generation).
         trace_length: the length Dynamo traces the steps at: "shard" (this rank's; one compile per length
             class), "whole" (the sequence's: Python on the length, a chunked scan or a branch, sees what

@@ -87,6 +87,26 @@ def test_float_tensor_of_the_sequence_length_is_sharded() -> None:
     assert torch.equal(sharded["loss_weights"], batch["loss_weights"][:, 5:])
 
 
+def test_features_whose_width_equals_the_length_stay_whole() -> None:
+    # fuzz seed 2026181683641: image features [N, F] with F == the sequence length and N != the batch size
+    # were sharded along F, and the step crashed in Dynamo instead of training
+    batch = {"input_ids": torch.zeros(1, 12, dtype=torch.long), "features": torch.rand(4, 12)}
+    sharded, _ = shard_batch(batch, world=2, rank=0)
+    assert sharded["features"] is batch["features"]
+    assert sharded["input_ids"].shape == (1, 6)
+
+
+def test_position_ids_broadcast_over_the_batch_are_sharded() -> None:
+    batch = {
+        "input_ids": torch.zeros(3, 10, dtype=torch.long),
+        "position_ids": torch.arange(10).reshape(1, 10),  # one row for the whole batch
+        "mrope_positions": torch.arange(30).reshape(3, 1, 10),  # Qwen2-VL's [3, B, S], B broadcast
+    }
+    sharded, _ = shard_batch(batch, world=2, rank=1)
+    assert torch.equal(sharded["position_ids"], batch["position_ids"][:, 5:])
+    assert torch.equal(sharded["mrope_positions"], batch["mrope_positions"][..., 5:])
+
+
 def test_shard_tuple_batch() -> None:
     ids = torch.arange(20).reshape(2, 10)
     features = torch.rand(2, 3)

@@ -70,6 +70,9 @@ CASES = {
     "four_ranks": (26, [[5, 12], [18]], 4),
     "all_on_the_last_rank": (23, [[19]], 2),
     "prime_length_three_ranks": (31, [[9, 20], [0, 28]], 3),
+    # pixels [images, 12] as wide as the sequence: they were taken for sequence data and sharded, and the
+    # step crashed in Dynamo (fuzz seed 2026181683641; data.sequence_dim now checks the batch dims)
+    "pixels_as_wide_as_the_sequence": (PIXELS, [[4]], 2),
 }
 
 
