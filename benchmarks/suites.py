@@ -106,7 +106,7 @@ METHOD_NAMES = (
     "ring",
 )  # methods.METHODS
 REFERENCE_METHOD = "ulysses"  # step-time ratios are against hand-written Ulysses
-PAIRED_REFERENCES = (REFERENCE_METHOD, "sp")  # per-round ratios are kept against these
+PAIRED_REFERENCES = (REFERENCE_METHOD, "sp", "alst")  # per-round ratios are kept against these
 
 
 def parse_launch_args(argv: list[str], description: str = "") -> argparse.Namespace:
