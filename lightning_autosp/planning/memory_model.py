@@ -40,10 +40,14 @@ Note [Step peak]
     gradient for T tokens, or for one chunk with the chunked loss) and one layer's backward: with
     SAC the layer rebuilt (what it would save without SAC, less q, k, v and the attention outputs,
     which SAC keeps), plus the gradients of the residual stream, of the MLP (three MLP-wide ones when
-    a gated MLP is rebuilt), of the norms (fp32 under autocast) and of q, k, v. Against allocator peaks
-    measured on CPU (``benchmarks/planner.py --peak``) it errs from -14% to +7% on 8-layer models and
-    from -20% to +21% on 2-layer ones, where one layer's workspace is a large share of the peak; the
-    saved activations, which dominate at scale, are within 7%.
+    a gated MLP is rebuilt), of the norms (fp32 under autocast) and of q, k, v; under Inductor the MLP's
+    wide values are one tile's (:func:`mlp_tiles`, Note [Row tiling] in ``compiler/partition/tiling.py``).
+    Against the allocator peaks of the trainability launches (real 2- and 4-rank groups; SAC, "longest"
+    and SP alone; fp32 and bf16-mixed; ``benchmarks/planner_runs.py``) it errs from -10% to +13% at the
+    longest length each budget search measured and from -33% to +29% at all lengths, where at short
+    ones fixed buffers are a large share; pricing the MLP untiled there erred from -1% to +38%. Under
+    ``aot_eager`` (priced untiled) against single-process peaks (``benchmarks/planner.py --peak``): -14%
+    to +1% on 8-layer models. The saved activations, which dominate at scale, are within 7%.
     The optimizer step holds every local gradient at once, and its temporaries: the foreach
     implementation (PyTorch's default on GPU) makes a copy of all local parameters (AdamW's sqrt of the
     second moment), the for-loop one (the default on CPU) two of the largest, the fused one none.
@@ -62,6 +66,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from lightning_autosp.compiler.backend import Compiler
+from lightning_autosp.compiler.partition.sac import DEFAULT_TILE_BYTES
 from lightning_autosp.fsdp import DataParallel, FSDPGather
 from lightning_autosp.planning.model_shapes import ModelShape
 from lightning_autosp.planning.sp_cost import SPLayout, a2a_bytes, ring_buffer_bytes, ring_bytes
@@ -99,6 +104,8 @@ class Setup:
     compiler: Compiler = "inductor"
     optimizer_impl: OptimizerImpl = "foreach"
     ulysses_degree: int | None = None  # of sp_size; the rest is ring attention (None: all Ulysses)
+    # sac_tile_bytes: with SAC, a rebuilt MLP this wide runs over tiles of tokens (Note [Row tiling])
+    tile_bytes: int | None = DEFAULT_TILE_BYTES
 
     def __post_init__(self) -> None:
         precision = _PRECISIONS.get(self.precision, self.precision)
@@ -171,7 +178,27 @@ class _Sizes:
         )
 
 
-def _layer_without_sac(shape: ModelShape, s: _Sizes) -> dict[str, int]:
+def mlp_tiles(shape: ModelShape, setup: Setup, seq_len: int) -> int:
+    """The tiles SAC's row tiling runs a rebuilt MLP in (1: whole), as ``partition/tiling.choose_tiles``
+    picks them: where its widest inner value [T, I] is at least ``tile_bytes`` and wider than its edges
+    [T, h], tiles that bring it to half the edges' width, at most 8; with 16-bit matmuls none narrower
+    than half of ``tile_bytes``. Priced under Inductor only: ``aot_eager`` runs the tiles too, but holds more
+    of a graph's values until it returns, and its measured peaks match the untiled workspace (8-layer GPT
+    and Llama, sp=2, 2,048 tokens: 32.6 and 26.4 MiB measured, 31.1 and 26.6 priced untiled, 28.4 and 22.1
+    tiled)."""
+    if not setup.sac or not setup.tile_bytes or setup.compiler != "inductor":
+        return 1
+    s = _Sizes.of(shape, setup, seq_len)
+    inner, boundary = s.tokens * shape.intermediate * s.x, s.tokens * shape.hidden * s.x
+    if inner < setup.tile_bytes or inner <= boundary:
+        return 1
+    tiles = min(8, s.tokens, math.ceil(2 * inner / boundary))
+    if s.x < 4:
+        tiles = min(tiles, inner // (setup.tile_bytes // 2))
+    return max(2, tiles)
+
+
+def _layer_without_sac(shape: ModelShape, s: _Sizes, mlp_tiles: int = 1) -> dict[str, int]:
     """What one layer saves under PyTorch's min-cut partitioner (also what SAC rebuilds in backward)."""
     T, h, q = s.tokens, shape.hidden, shape.attention_width
     stats = T * 4 * (2 if shape.norm == "layer" else 1)  # mean and rstd, or rsqrt
@@ -181,7 +208,7 @@ def _layer_without_sac(shape: ModelShape, s: _Sizes) -> dict[str, int]:
         "attention out + logsumexp": s.head_tokens * (q * s.x + shape.heads * 4) + T * q * s.x,
         "norms": 2 * (T * h * s.x + stats),
         "residual stream": 2 * T * h * s.r,  # after attention, after the MLP
-        "MLP": (3 if shape.gated_mlp else 2) * T * shape.intermediate * s.x,
+        "MLP": (3 if shape.gated_mlp else 2) * math.ceil(T / mlp_tiles) * shape.intermediate * s.x,
     }
 
 
@@ -330,11 +357,13 @@ def step_memory(shape: ModelShape, setup: Setup, seq_len: int) -> MemoryBreakdow
     # SAC rebuilds a layer in backward, but not what it keeps: q, k, v and the attention outputs are
     # among the saved activations already.
     kept_by_sac = () if setup.rebuild_attention else ("q, k, v", "attention out + logsumexp")
-    rebuilt = {name: size for name, size in _layer_without_sac(shape, s).items() if name not in kept_by_sac}
+    tiles = mlp_tiles(shape, setup, seq_len)  # one tile's MLP-wide values at a time (Note [Row tiling])
+    layer = _layer_without_sac(shape, s, tiles)
+    rebuilt = {name: size for name, size in layer.items() if name not in kept_by_sac}
     recompute = sum(rebuilt.values()) if setup.sac else 0
     # Rebuilding a gated MLP in backward holds the gradients of both branches and of their product at
     # once (Inductor's backward graphs on CPU); with SAC off one MLP-wide gradient at a time.
-    mlp_gradients = (3 if shape.gated_mlp and setup.sac else 1) * T * inner * s.x
+    mlp_gradients = (3 if shape.gated_mlp and setup.sac else 1) * math.ceil(T / tiles) * inner * s.x
     # Norms run in fp32 under autocast (HF's RMSNorm upcasts; layer_norm is on autocast's fp32 list):
     # their backward holds an fp32 gradient and temporary the width of the residual stream.
     norm_gradients = 2 * T * h * 4 if setup.mixed else 0

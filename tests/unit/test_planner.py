@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -15,11 +17,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from benchmarks.planner import compare, tiny_gpt, tiny_llama
+from benchmarks.planner_runs import rows_of
 from examples.models import GPTModule, TinyGPT
 from lightning_autosp import AutoSPStrategy, plan
 from lightning_autosp.compiler.runtime.ring import ring_args
 from lightning_autosp.data import SequenceShard
 from lightning_autosp.planning.cli import RECORDS, build_parser, readme_table, records_table
+from lightning_autosp.planning.memory_model import mlp_tiles
 from lightning_autosp.planning.planner import (
     LLAMA_3_1_8B,
     LLAMA_3_1_70B,
@@ -114,6 +118,43 @@ def test_planned_step_peak_matches_the_allocator_peak(kind: str) -> None:
     setup = Setup(2, 2, sac=True, precision="32-true", compiler="aot_eager")
     row = compare(kind, setup, 2048, peak=True, **EIGHT_LAYERS[kind])
     assert abs(row["planned_peak"] - row["measured_peak"]) <= TOLERANCE * row["measured_peak"], row
+
+
+def test_mlp_tiles_follow_the_compilers_choice() -> None:
+    """A [T, 4h] GPT MLP runs in 8 tiles (half its edges' width), a gated [T, 2h] one in 4; 16-bit matmuls
+    stop at tiles of half ``tile_bytes``; nothing is tiled below ``tile_bytes``, without SAC or tiling, or
+    under aot_eager (priced untiled: its measured peaks match that)."""
+    gpt = model_shape(tiny_gpt(n_layer=8, n_embd=128, block_size=8192)[1])
+    llama = model_shape(tiny_llama(hidden=128, intermediate=256, layers=8)[0])
+    fp32 = Setup(2, 2, precision="32-true")
+    assert mlp_tiles(gpt, fp32, 8192) == 8
+    assert mlp_tiles(llama, fp32, 8192) == 4
+    assert mlp_tiles(llama, Setup(2, 2, precision="bf16-mixed"), 4096) == 2  # 1 MiB inner: 2 tiles of 0.5
+    assert mlp_tiles(llama, fp32, 1024) == 1  # [512, 256] fp32 is 0.5 MiB, under tile_bytes
+    for setup in (
+        dataclasses.replace(fp32, sac=False),
+        dataclasses.replace(fp32, tile_bytes=None),
+        dataclasses.replace(fp32, compiler="aot_eager"),
+    ):
+        assert mlp_tiles(gpt, setup, 8192) == 1
+
+
+def test_planned_peaks_against_the_committed_trainability_launches() -> None:
+    """At the longest length each budget search measured (the lengths that decide what fits), the planned
+    step peak is within 15% of the peak the multi-rank launch measured; priced without row tiling it
+    was up to 38% over (benchmarks/results/planner_vs_runs.md)."""
+    results = Path(__file__).parents[2] / "benchmarks" / "results"
+    configs = ("sp2-fp32", "sp2-bf16-mixed", "sp4-fp32", "sp4-bf16-mixed")
+    reports = [*(results / "trainability" / f"{c}.json" for c in configs), results / "longest_sp2_fp32.json"]
+    longest: dict[tuple, dict] = {}
+    for path in reports:
+        for row in rows_of(json.loads(path.read_text()), path.stem):
+            key = (row["report"], row["model"], row["policy"])
+            if key not in longest or row["seq_len"] > longest[key]["seq_len"]:
+                longest[key] = row
+    assert len(longest) >= 15
+    errors = {key: (r["planned"] - r["measured"]) / r["measured"] for key, r in longest.items()}
+    assert all(abs(e) <= TOLERANCE for e in errors.values()), errors
 
 
 def test_param_counts_from_shapes() -> None:
