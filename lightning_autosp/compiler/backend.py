@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from lightning_autosp.compiler import symbols
 from lightning_autosp.compiler.context import SPContext
+from lightning_autosp.compiler.fx_utils import calling_like
 from lightning_autosp.compiler.lower.chunked_loss import ChunkedLossReport, chunked_loss_pass
 from lightning_autosp.compiler.partition.ordering import CollectiveOrder
 from lightning_autosp.compiler.partition.sac import DEFAULT_TILE_BYTES, SACReport, SequenceAwarePartitioner
@@ -264,7 +265,6 @@ def tagging_outputs(
     """``compiled``, tagging each output with its layout for the graph after it (Note [Sequence layouts]);
     with DDP's buckets also when DDP runs it on fake tensors to trace the next bucket. ``output_tags``
     gives the tags of this run (their sizes follow the length where one graph serves several)."""
-    boxed = getattr(compiled, "_boxed_call", False)
 
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
@@ -273,8 +273,7 @@ def tagging_outputs(
                 tags.mark(output, tag)
         return outputs
 
-    run._boxed_call = boxed  # Dynamo passes a boxed function its inputs as one list
-    return run
+    return calling_like(compiled, run)
 
 
 def _backward_without_buffer_reuse(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

@@ -290,3 +290,10 @@ def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
         else:
             forward.append(node)
     return forward
+
+
+def calling_like(compiled: Callable, run: Callable) -> Callable:
+    """``run``, a wrapper of ``compiled``, marked with its calling convention: Dynamo calls a boxed function
+    (``_boxed_call``) with its inputs as one list, which the callee then owns and frees."""
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+    return run

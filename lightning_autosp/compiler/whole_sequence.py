@@ -38,6 +38,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lightning_autosp.compiler import symbols
+from lightning_autosp.compiler.fx_utils import calling_like
 from lightning_autosp.data import SequenceShard
 
 
@@ -133,5 +134,4 @@ def taking_shards(compiled: Callable, whole: WholeLengths, shard: SequenceShard)
             return compiled(cut)
         return compiled(*local(args))
 
-    run._boxed_call = boxed  # type: ignore[attr-defined]
-    return run
+    return calling_like(compiled, run)

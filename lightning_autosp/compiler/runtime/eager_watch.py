@@ -53,6 +53,7 @@ from torch._dynamo.utils import orig_code_map
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_autosp.compiler.fx_utils import calling_like
 from lightning_autosp.compiler.prove.layout import SequenceTags
 from lightning_autosp.hang_watch import user_frame
 
@@ -83,14 +84,12 @@ def running_compiled(compiled: Callable) -> Callable:
     """``compiled`` (a compiled graph's callable), run without torch function modes: Dynamo traced the
     modes active then into the graph, and ``EagerWatch`` is to see eager code only (it would also cost a
     Python call per op of the graph)."""
-    boxed = getattr(compiled, "_boxed_call", False)
 
     def run(*args: Any) -> Any:
         with torch._C.DisableTorchFunction():
             return compiled(*args)
 
-    run._boxed_call = boxed  # Dynamo passes a boxed function its inputs as one list
-    return run
+    return calling_like(compiled, run)
 
 
 class _BreaksInsideTheWatch(logging.Handler):
