@@ -32,6 +32,22 @@ def test_committed_report_renders_and_names_what_did_not_run() -> None:
     assert "\n".join(trainability.table(report)) in markdown
 
 
+def test_a_launch_of_the_longest_policy_is_judged_on_its_own_targets() -> None:
+    """A launch of ``longest``, ``alst`` and ``ulysses`` (issue 51) is judged against Ulysses' length, the
+    ALST-style baseline's length and its step time (paired), not on SAC's targets, whose methods it lacks."""
+    run = json.loads((RESULTS / "longest" / "sp2-bf16-mixed.gpt-tiny.json").read_text())
+    rows = {row["target"]: row for row in trainability.targets({"configs": {"sp2-bf16-mixed": run}})}
+    assert set(rows) == {
+        "longest: max length vs hand-written Ulysses",
+        "longest: max length vs ALST-style",
+        "longest: step time vs ALST-style (paired)",
+    }
+    assert rows["longest: max length vs hand-written Ulysses"]["met"] is True  # >= 6656 against 1280
+    assert rows["longest: max length vs ALST-style"]["met"] is None  # both searches ended under the budget
+    step = rows["longest: step time vs ALST-style (paired)"]
+    assert step["interval"] is not None and step["met"] is (step["interval"][1] <= 1.0)
+
+
 def test_a_method_the_deadline_never_prepared_reports_no_graph_facts() -> None:
     # A run past --deadline-s skips a model's lengths; the report of a method never prepared must not
     # crash the worker (it did, losing every finished row of the run).
