@@ -17,6 +17,7 @@ from tests.unit.found_modules import (
     MixtralRouterLoss,
     PairwiseReward,
     PooledAttention,
+    SectionsAfterAScan,
     StepIdioms,
     TorchEncoder,
     TwoScansPooled,
@@ -40,6 +41,7 @@ CASES = {
     "keepdim_mean": (lambda: StepIdioms("keepdim_mean"), 2),
     "last_slice": (lambda: StepIdioms("last_slice"), 1),
     "flipped_masked_mean": (FlippedMaskedMean, 1),
+    "sections_after_a_scan": (SectionsAfterAScan, 2),
 }
 THREE_RANKS = ["length_as_float", "pairwise_reward", "max_pooled_attention", "last_position_pairwise"]
 

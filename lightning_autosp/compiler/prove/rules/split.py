@@ -154,14 +154,17 @@ def split_operands(a, operands: Sequence[Operand]) -> list[Operand]:
 
 def home_or_align(a, operands: Sequence[Operand], out_rank: int) -> Layout | None:
     """An op that works token by token on a mix of split values and sequence shards: the cheaper side
-    moves (DTensor picks the cheapest strategy too). Returns the output layout if it stays split, None
-    once every operand is back in sequence shards."""
+    moves (DTensor picks the cheapest strategy too). On a tie the split side goes back to sequence
+    shards, the layout every rule reads: a residual stream kept split after a scan stayed split along
+    the hidden dim, where an indexed write into it (rotary sections) could not be done on this rank's
+    part. Returns the output layout if it stays split, None once every operand is back in sequence
+    shards."""
     split_side = split_operands(a, operands)
     if not split_side:
         return None
     shard_side = [op for op in operands if a.layout(op.node).kind == "shard" and op.node not in a.token_data]
     out_dim = split_side[0].to_out.get(a.layout(split_side[0].node).split)
-    if out_dim is not None and _bytes(split_side) >= _bytes(shard_side):
+    if out_dim is not None and _bytes(split_side) > _bytes(shard_side):
         layout = align(a, operands, out_dim, out_rank)
         if layout is not None:
             return layout
