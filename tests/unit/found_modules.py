@@ -183,7 +183,9 @@ class FlippedMaskedMean(nn.Module):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         x = self.embed(batch["input_ids"])
-        x = x + self.mix(x).flip(1)
+        return self.masked_mean_loss(x + self.mix(x).flip(1), batch)
+
+    def masked_mean_loss(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
         keep = batch["attention_mask"].unsqueeze(-1).to(x.dtype)
         pooled = (x * keep).sum(dim=1) / keep.sum(dim=1)
         return F.cross_entropy(self.head(pooled), batch["cls"])
@@ -243,7 +245,7 @@ class TwoScansPooled(nn.Module):
         return F.cross_entropy((self.head(h) * keep).sum(1) / keep.sum(1), batch["cls"])
 
 
-class SectionsAfterAScan(nn.Module):
+class SectionsAfterAScan(FlippedMaskedMean):
     """A suffix sum over the sequence (run whole, split over channels), a residual, then rotary-style sections
     written into a copy along the hidden dim (fuzz seed 2026181483639, shrunk). The residual add met a
     split value and a sequence shard of the same size and kept the stream split, so the assignment's
@@ -251,10 +253,7 @@ class SectionsAfterAScan(nn.Module):
     sequence shards, and the assignment writes each token's row on its own rank."""
 
     def __init__(self, dim: int = 24) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, dim)
-        self.mix = nn.Linear(dim, dim)
-        self.head = nn.Linear(dim, 3)
+        super().__init__(dim)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         x = self.embed(batch["input_ids"])
@@ -262,6 +261,4 @@ class SectionsAfterAScan(nn.Module):
         x = x + self.mix(x).flip(1).cumsum(dim=1).flip(1) / T
         x = x.clone()
         x[..., 1::3] = torch.tanh(x[..., 1::3])
-        keep = batch["attention_mask"].unsqueeze(-1).to(x.dtype)
-        pooled = (x * keep).sum(dim=1) / keep.sum(dim=1)
-        return F.cross_entropy(self.head(pooled), batch["cls"])
+        return self.masked_mean_loss(x, batch)
