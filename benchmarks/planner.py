@@ -40,6 +40,7 @@ from lightning_autosp.callbacks import _storage_bytes
 from lightning_autosp.compiler.backend import AutoSPBackend
 from lightning_autosp.compiler.sp_pass import SPContext
 from lightning_autosp.data import shard_batch
+from lightning_autosp.planning.memory_model import MemoryBreakdown
 from lightning_autosp.planning.planner import Setup, model_shape, saved_activations, step_memory
 
 MiB = 2**20
@@ -235,6 +236,12 @@ def measure(
     )
 
 
+def allocated_in_step(memory: MemoryBreakdown) -> int:
+    """The planned peak of what a profiled step allocates: forward and backward less what is allocated
+    before it (the parameters, the optimizer state and DDP's buckets, one copy of the parameters)."""
+    return memory.forward_backward - memory.params - memory.optimizer - memory.params
+
+
 def compare(
     kind: str,
     setup: Setup,
@@ -255,8 +262,7 @@ def compare(
     )
     planned_shape = model_shape(model if kind == "llama" else config)
     predicted = step_memory(planned_shape, setup, seq_len)
-    # What the profiled step allocates: all but the parameters, optimizer state and DDP's buckets.
-    in_step = predicted.forward_backward - predicted.params - predicted.optimizer - predicted.params
+    in_step = allocated_in_step(predicted)
     return {
         "model": kind,
         "seq_len": seq_len,

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.planner import tiny_gpt, tiny_llama
+from benchmarks.planner import allocated_in_step, tiny_gpt, tiny_llama
 from lightning_autosp.planning.memory_model import Setup, mlp_tiles, step_memory
 from lightning_autosp.planning.model_shapes import ModelShape, model_shape
 
@@ -70,8 +70,7 @@ def rows_of(report: dict, name: str) -> list[dict]:
         )
         points = (summary.get("search") or {}).get("points") or summary.get("peak_bytes") or {}
         for length, measured in sorted((int(k), v) for k, v in points.items()):
-            memory = step_memory(shape, setup, length)
-            planned = memory.forward_backward - 2 * memory.params - memory.optimizer
+            planned = allocated_in_step(step_memory(shape, setup, length))
             rows.append(
                 {
                     "report": name,
@@ -83,9 +82,21 @@ def rows_of(report: dict, name: str) -> list[dict]:
                     "tiles": mlp_tiles(shape, setup, length),
                     "measured": measured,
                     "planned": planned,
+                    "error": (planned - measured) / measured,
                 }
             )
     return rows
+
+
+def at_longest(rows: list[dict]) -> list[dict]:
+    """Per (report, model, policy), the row at the longest length measured: the lengths that decide a
+    budget search."""
+    longest: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["report"], r["model"], r["policy"])
+        if key not in longest or r["seq_len"] > longest[key]["seq_len"]:
+            longest[key] = r
+    return list(longest.values())
 
 
 def render(rows: list[dict], command: str) -> str:
@@ -100,26 +111,18 @@ def render(rows: list[dict], command: str) -> str:
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        error = (r["planned"] - r["measured"]) / r["measured"]
         lines.append(
             f"| {r['report']} | {r['model']} | {r['policy']} | {r['sp']} | {r['precision']} | "
             f"{r['seq_len']} | {r['tiles']} | {r['measured'] / MiB:.1f} | {r['planned'] / MiB:.1f} | "
-            f"{error:+.0%} |"
+            f"{r['error']:+.0%} |"
         )
-    # the lengths that decide a search: the longest measured per (report, model, policy)
-    longest: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["report"], r["model"], r["policy"])
-        if key not in longest or r["seq_len"] > longest[key]["seq_len"]:
-            longest[key] = r
-    errors = [(r["planned"] - r["measured"]) / r["measured"] for r in longest.values()]
-    if errors:
+    decisive = [r["error"] for r in at_longest(rows)]
+    if decisive:
+        every = [r["error"] for r in rows]
         lines += [
             "",
-            f"At the longest length each search measured: {min(errors):+.0%} to {max(errors):+.0%} "
-            f"({len(errors)} rows); at every length: "
-            f"{min((r['planned'] - r['measured']) / r['measured'] for r in rows):+.0%} to "
-            f"{max((r['planned'] - r['measured']) / r['measured'] for r in rows):+.0%}.",
+            f"At the longest length each search measured: {min(decisive):+.0%} to {max(decisive):+.0%} "
+            f"({len(decisive)} rows); at every length: {min(every):+.0%} to {max(every):+.0%}.",
         ]
     return "\n".join(lines) + "\n"
 

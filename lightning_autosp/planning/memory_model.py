@@ -67,6 +67,7 @@ from typing import Literal
 
 from lightning_autosp.compiler.backend import Compiler
 from lightning_autosp.compiler.partition.sac import DEFAULT_TILE_BYTES
+from lightning_autosp.compiler.partition.tiling import MAX_TILES, tile_count
 from lightning_autosp.fsdp import DataParallel, FSDPGather
 from lightning_autosp.planning.model_shapes import ModelShape
 from lightning_autosp.planning.sp_cost import SPLayout, a2a_bytes, ring_buffer_bytes, ring_bytes
@@ -192,13 +193,10 @@ def mlp_tiles(shape: ModelShape, setup: Setup, seq_len: int) -> int:
     inner, boundary = s.tokens * shape.intermediate * s.x, s.tokens * shape.hidden * s.x
     if inner < setup.tile_bytes or inner <= boundary:
         return 1
-    tiles = min(8, s.tokens, math.ceil(2 * inner / boundary))
-    if s.x < 4:
-        tiles = min(tiles, inner // (setup.tile_bytes // 2))
-    return max(2, tiles)
+    return tile_count(inner, boundary, setup.tile_bytes, min(MAX_TILES, s.tokens), narrow=s.x < 4)
 
 
-def _layer_without_sac(shape: ModelShape, s: _Sizes, mlp_tiles: int = 1) -> dict[str, int]:
+def _layer_without_sac(shape: ModelShape, s: _Sizes, tiles: int = 1) -> dict[str, int]:
     """What one layer saves under PyTorch's min-cut partitioner (also what SAC rebuilds in backward)."""
     T, h, q = s.tokens, shape.hidden, shape.attention_width
     stats = T * 4 * (2 if shape.norm == "layer" else 1)  # mean and rstd, or rsqrt
@@ -208,7 +206,7 @@ def _layer_without_sac(shape: ModelShape, s: _Sizes, mlp_tiles: int = 1) -> dict
         "attention out + logsumexp": s.head_tokens * (q * s.x + shape.heads * 4) + T * q * s.x,
         "norms": 2 * (T * h * s.x + stats),
         "residual stream": 2 * T * h * s.r,  # after attention, after the MLP
-        "MLP": (3 if shape.gated_mlp else 2) * math.ceil(T / mlp_tiles) * shape.intermediate * s.x,
+        "MLP": (3 if shape.gated_mlp else 2) * math.ceil(T / tiles) * shape.intermediate * s.x,
     }
 
 

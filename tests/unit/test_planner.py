@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from benchmarks.planner import compare, tiny_gpt, tiny_llama
-from benchmarks.planner_runs import rows_of
+from benchmarks.planner_runs import at_longest, rows_of
 from examples.models import GPTModule, TinyGPT
 from lightning_autosp import AutoSPStrategy, plan
 from lightning_autosp.compiler.runtime.ring import ring_args
@@ -146,14 +146,10 @@ def test_planned_peaks_against_the_committed_trainability_launches() -> None:
     results = Path(__file__).parents[2] / "benchmarks" / "results"
     configs = ("sp2-fp32", "sp2-bf16-mixed", "sp4-fp32", "sp4-bf16-mixed")
     reports = [*(results / "trainability" / f"{c}.json" for c in configs), results / "longest_sp2_fp32.json"]
-    longest: dict[tuple, dict] = {}
-    for path in reports:
-        for row in rows_of(json.loads(path.read_text()), path.stem):
-            key = (row["report"], row["model"], row["policy"])
-            if key not in longest or row["seq_len"] > longest[key]["seq_len"]:
-                longest[key] = row
+    rows = [row for path in reports for row in rows_of(json.loads(path.read_text()), path.stem)]
+    longest = at_longest(rows)
     assert len(longest) >= 15
-    errors = {key: (r["planned"] - r["measured"]) / r["measured"] for key, r in longest.items()}
+    errors = {(r["report"], r["model"], r["policy"]): r["error"] for r in longest}
     assert all(abs(e) <= TOLERANCE for e in errors.values()), errors
 
 

@@ -72,6 +72,8 @@ from lightning_autosp.compiler.partition.tiling_rules import (
 
 log = logging.getLogger(__name__)
 
+# At most this many tiles a region (Note [Row tiling]).
+MAX_TILES = 8
 # The matmuls of linear layers (forward and backward) once Dynamo's graph is lowered to ATen.
 _MATMULS = (aten.mm.default, aten.addmm.default)
 
@@ -307,11 +309,17 @@ def choose_tiles(region: Region, layouts: dict[fx.Node, object], min_bytes: int,
     rebuilt = {_storage(o, inside) for o in row_outputs}
     if any(_stride_order(value_of(root)) is None for root in rebuilt):
         return 1
-    # A tile's inner values at half the width of the region's edges: a [S, 4h] MLP runs in 8 tiles;
-    # with 16-bit matmuls none narrower than half of min_bytes (Note [Row tiling]).
-    tiles = min(max_tiles, math.ceil(2 * region.inner_bytes / max(boundary, 1)))
-    if min_bytes > 1 and any(_narrow_matmul(n) for n in region.nodes):
-        tiles = min(tiles, region.inner_bytes // (min_bytes // 2))
+    narrow = any(_narrow_matmul(n) for n in region.nodes)
+    return tile_count(region.inner_bytes, boundary, min_bytes, max_tiles, narrow)
+
+
+def tile_count(inner_bytes: int, boundary_bytes: int, min_bytes: int, max_tiles: int, narrow: bool) -> int:
+    """Tiles for a region worth tiling: its inner values at half the width of its edges (a [S, 4h] MLP runs
+    in 8 tiles); with 16-bit matmuls (``narrow``) none narrower than half of ``min_bytes`` (Note [Row
+    tiling]). The planner prices a rebuilt MLP with it too (``planning/memory_model.mlp_tiles``)."""
+    tiles = min(max_tiles, math.ceil(2 * inner_bytes / max(boundary_bytes, 1)))
+    if min_bytes > 1 and narrow:
+        tiles = min(tiles, inner_bytes // (min_bytes // 2))
     return max(2, tiles)
 
 
@@ -371,7 +379,7 @@ def _allocates(node: fx.Node) -> bool:
 # ---------------------------------------------------------------------------------------------- lowering
 
 
-def tile_rows_pass(gm: fx.GraphModule, *, min_bytes: int, max_tiles: int = 8) -> TilingReport:
+def tile_rows_pass(gm: fx.GraphModule, *, min_bytes: int, max_tiles: int = MAX_TILES) -> TilingReport:
     """Run each wide row-wise region of ``gm`` (a partitioned forward or backward) over tiles of rows
     (Note [Row tiling]). Returns what was tiled; ``gm`` is recompiled if anything was."""
     report = TilingReport()
